@@ -1,0 +1,28 @@
+"""lmcli: text generation from open language models, from the command line or from Python.
+
+    import lmcli
+    model, tokenizer = lmcli.load("path/to/checkpoint")   # HF dir, .safetensors + model, .gguf, or None
+    ids = model.generate(torch.tensor([tokenizer.encode("Hello")]), max_new_tokens=20, do_sample=False)
+
+Importing lmcli is cheap: torch and the model code load on first use of these names.
+"""
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "load": ("lmcli.loading", "load"),
+    "BaseModel": ("lmcli.models.base", "BaseModel"),
+    "ModelConfig": ("lmcli.config", "ModelConfig"),
+    "LmcliError": ("lmcli.errors", "LmcliError"),
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(import_module(module), attr)
+    raise AttributeError(f"module 'lmcli' has no attribute {name!r}")

@@ -1,0 +1,168 @@
+"""ModelConfig: one dataclass describing every supported architecture.
+
+Field names follow HuggingFace's config.json where one exists; architecture traits that HF encodes
+in class code (norm kind, embedding scale, sandwich norms, ...) are explicit fields here, set by each
+architecture's `config_from_hf`. The shared decoder switches on these fields, never on model names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcli.errors import ConfigError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+
+
+@dataclass
+class ModelConfig:
+    model_type: str  # the HF model_type (gemma3_text, llama, ...)
+    architecture: str  # the lmcli module that builds it (gpt2, llama, ..., gemma)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    # normalisation
+    norm_type: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-6
+    norm_unit_offset: bool = False  # gemma: weight is stored as w, applied as (1 + w)
+    sandwich_norms: bool = False  # gemma2/3: norms after attention and around the MLP
+    qk_norm: bool = False  # gemma3: RMSNorm on q and k per head
+    # attention
+    attention_bias: bool = False  # q/k/v projections
+    attention_out_bias: bool = False  # o projection
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcapping: float | None = None
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)
+    # positions
+    position_embedding: str = "rope"  # rope | learned
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    rope_local: RopeConfig | None = None  # RoPE of sliding layers when it differs (gemma3)
+    # MLP
+    hidden_act: str = "silu"
+    gated_mlp: bool = True
+    mlp_bias: bool = False
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 0
+    # embeddings and head
+    tie_word_embeddings: bool = False
+    scale_embeddings: bool = False  # gemma: multiply embeddings by sqrt(hidden_size)
+    final_logit_softcapping: float | None = None
+    # special tokens
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config: layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}"
+            )
+        if any(t == SLIDING for t in self.layer_types) and not self.sliding_window:
+            raise ConfigError("config: sliding_attention layers need a positive sliding_window")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        if self.eos_token_id is None:
+            return []
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    @property
+    def uses_sliding_window(self) -> bool:
+        return SLIDING in self.layer_types
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# --- helpers shared by the architectures' config_from_hf ------------------------------------------
+
+
+def require(hf: dict[str, Any], *names: str) -> Any:
+    """The first of `names` present in the HF config (they are aliases), or a ConfigError."""
+    for name in names:
+        if hf.get(name) is not None:
+            return hf[name]
+    raise ConfigError(f"config.json: missing field '{names[0]}'")
+
+
+def rope_from_hf(hf: dict[str, Any], layer_type: str | None = None, default_theta: float = 10000.0) -> RopeConfig:
+    """RoPE settings from either config generation.
+
+    Older files: `rope_theta` + `rope_scaling`; newer ones: `rope_parameters`, possibly keyed by layer type.
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict) and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    elif isinstance(params, dict) and (FULL in params or SLIDING in params):
+        params = params.get(FULL)
+    scaling: dict[str, Any] = {}
+    if isinstance(params, dict):
+        scaling = dict(params)
+        theta = params.get("rope_theta", hf.get("rope_theta", default_theta))
+    else:
+        theta = hf.get("rope_theta", default_theta)
+        scaling = dict(hf.get("rope_scaling") or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ConfigError(f"config.json: unsupported rope_type '{rope_type}' (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(scaling.get("factor", 1.0) or 1.0),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=scaling.get("original_max_position_embeddings"),
+    )
+
+
+def common_decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Fields that llama-style configs (llama, mistral, mixtral, qwen2, gemma*) name the same way."""
+    hidden = int(require(hf, "hidden_size"))
+    heads = int(require(hf, "num_attention_heads"))
+    return dict(
+        model_type=hf.get("model_type", ""),
+        vocab_size=int(require(hf, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(require(hf, "intermediate_size")),
+        num_hidden_layers=int(require(hf, "num_hidden_layers")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        hf_config=dict(hf),
+    )

@@ -1,0 +1,125 @@
+"""Resolve (checkpoint, model name) to a config, weights and a tokenizer, and build the model.
+
+Accepted checkpoints: an HF directory (config.json + safetensors, single or sharded), a single
+.safetensors file with a preset/architecture name supplying the config (or a config.json beside it),
+a .gguf file, or None for the embedded default model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcli.errors import CheckpointError, ConfigError, UsageError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use --device cpu)")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, config_dtype: str | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        # Half precision is slow and lossy on CPUs; on GPUs take the checkpoint's own dtype.
+        if device.type == "cpu":
+            return torch.float32
+        return DTYPES.get(str(config_dtype), torch.bfloat16) if config_dtype in ("bfloat16", "float16") else torch.bfloat16
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: unknown dtype (use auto, float32, bfloat16 or float16)")
+    return DTYPES[dtype]
+
+
+def _read_config_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read config ({exc})") from None
+
+
+def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None):
+    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None)."""
+    from lmcli import registry
+    from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
+    from lmcli.models.base import BaseModel
+
+    device = resolve_device(device)
+    tokenizer = None
+    origin: dict[str, Path] = {}
+    if checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
+
+        checkpoint = default_checkpoint_path()
+    path = Path(checkpoint).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+
+    if path.suffix == ".gguf":
+        from lmcli.default_model import load_gguf_cached
+        from lmcli.io.tokenizer import tokenizer_from_gguf
+
+        hf_config = None
+        gguf = None
+        # The GGUF's config decides the dtype only via `auto`; read it first, cheaply.
+        target_dtype = resolve_dtype(dtype, device)
+        gguf = load_gguf_cached(path, target_dtype)
+        hf_config = gguf.hf_config
+        config = registry.config_from_hf(hf_config, model)
+        tensors = gguf.tensors
+        tokenizer = tokenizer_from_gguf(gguf.metadata)
+        source = str(path)
+    else:
+        if path.is_dir():
+            config_path = path / "config.json"
+            if config_path.is_file():
+                hf_config = _read_config_json(config_path)
+            elif model is not None and registry.preset_config(model) is not None:
+                hf_config = registry.preset_config(model)
+            else:
+                raise CheckpointError(f"{path}: no config.json (pass --model with a preset name to supply one)")
+            files = safetensors_files(path)
+            tokenizer_dir = path
+        elif path.suffix == ".safetensors":
+            beside = path.parent / "config.json"
+            if model is not None:
+                hf_config = registry.preset_config(model)
+                if hf_config is None:
+                    raise ConfigError(
+                        f"unknown model '{model}' (presets: {', '.join(registry.list_presets())})"
+                    )
+            elif beside.is_file():
+                hf_config = _read_config_json(beside)
+            else:
+                raise UsageError(f"{path}: a single .safetensors file needs --model NAME (a preset) to supply its config")
+            files = [path]
+            tokenizer_dir = path.parent
+        else:
+            raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
+        config = registry.config_from_hf(hf_config, model)
+        target_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+        tensors, origin = read_safetensors(files, target_dtype)
+        source = str(files[0]) if len(files) == 1 else str(path)
+        from lmcli.io.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_dir)
+
+    module = registry.architecture_module(config.model_type)
+    if hasattr(module, "convert_checkpoint"):
+        tensors = module.convert_checkpoint(tensors, config)
+    with torch.device("meta"):
+        built = BaseModel(config)
+    tensors = {name: t.to(device=device) for name, t in tensors.items()}
+    fill_model(built, tensors, source, origin)
+    built.eval()
+    return built, tokenizer

@@ -1,0 +1,1 @@
+"""The architectures: one shared decoder (base.py, layers.py) and a thin module per family."""

@@ -1,0 +1,167 @@
+"""BaseModel: the one decoder every architecture is built from.
+
+An architecture module supplies a ModelConfig (from its HF config) and, where its checkpoint names
+differ from the llama-style names used here, a `convert_checkpoint` that renames tensors. Everything
+else — embeddings, the layer stack, the head, caching and generation — lives here once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lmcli.config import ModelConfig
+from lmcli.models.layers import MLP, Attention, AttentionInputs, SparseMoE, make_norm, rope_cos_sin, rope_inverse_frequencies
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str):
+        super().__init__()
+        self.self_attn = Attention(config, layer_type)
+        self.input_layernorm = make_norm(config)
+        # llama: the norm before the MLP; gemma2/3 (sandwich): the norm after attention.
+        self.post_attention_layernorm = make_norm(config)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(config)
+            self.post_feedforward_layernorm = make_norm(config)
+        if config.num_local_experts:
+            self.block_sparse_moe = SparseMoE(config)
+        else:
+            self.mlp = MLP(config)
+        self.sandwich = config.sandwich_norms
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), inputs, cache)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.feed_forward(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.feed_forward(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, t) for t in config.layer_types)
+        self.norm = make_norm(config)
+
+
+class BaseModel(nn.Module):
+    """A decoder-only language model. `model(input_ids, attention_mask)` returns logits [B, T, vocab]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Decoder(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self._inverse_frequencies: dict[str, torch.Tensor] = {}
+        self.eval()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # --- forward ----------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for a whole (possibly left-padded) batch, without a cache."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        slot_is_token = attention_mask.bool()
+        positions = positions_from_mask(slot_is_token)
+        query_slots = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.forward_slots(input_ids, positions, query_slots, slot_is_token)
+
+    def forward_slots(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        positions: torch.Tensor,  # [B, T] position of each token in its own row's text
+        query_slots: torch.Tensor,  # [T] the sequence columns these tokens occupy
+        slot_is_token: torch.Tensor,  # [B, S_total] False for pad columns
+        cache=None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        config = self.config
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        if config.scale_embeddings:
+            x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
+        if config.position_embedding == "learned":
+            x = x + self.model.embed_positions(positions)
+        inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype))
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, inputs, None if cache is None else cache.layers[index])
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(self.model.norm(x))  # (B, T, vocab)
+        if config.final_logit_softcapping is not None:
+            cap = config.final_logit_softcapping
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        config = self.config
+        if config.position_embedding != "rope":
+            return {}
+        tables = {}
+        for layer_type in set(config.layer_types):
+            rope = config.rope_local if (layer_type != "full_attention" and config.rope_local) else config.rope
+            key = f"{layer_type}:{positions.device}"
+            if key not in self._inverse_frequencies:
+                inv = rope_inverse_frequencies(rope, config.head_dim, config.max_position_embeddings)
+                self._inverse_frequencies[key] = inv.to(positions.device)
+            tables[layer_type] = rope_cos_sin(self._inverse_frequencies[key], positions, dtype)
+        return tables
+
+    # --- cache and generation ---------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_length: int):
+        """A cache for `batch_size` rows of up to `max_length` tokens, allocated once.
+
+        Sliding-window layers get a rolling buffer of `sliding_window` slots; the others a static one.
+        """
+        from lmcli.generation.cache import ModelCache
+
+        return ModelCache.for_model(self, batch_size, max_length)
+
+    def traverse_cache(self, cache, fn: Callable[[torch.Tensor], torch.Tensor]):
+        """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
+        return cache.traverse(fn)
+
+    @torch.inference_mode()
+    def generate(self, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                 attention_mask: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int | None = None, *, seed: Any = None, logits_processors=None,
+                 on_token: Callable | None = None, ignore_output: bool = False) -> torch.Tensor | None:
+        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n]. See lmcli.generation.loop."""
+        from lmcli.generation.loop import generate
+
+        return generate(self, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
+                        attention_mask, eos_token_id, pad_token_id, seed=seed,
+                        logits_processors=logits_processors, on_token=on_token, ignore_output=ignore_output)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
+    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)

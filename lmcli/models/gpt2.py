@@ -1,0 +1,85 @@
+"""GPT-2: learned absolute positions, LayerNorm, plain GELU (tanh) MLP, fused c_attn, tied head.
+
+Its checkpoints use other names and Conv1D layers (weights stored [in, out]), so they are renamed,
+split and transposed at load time onto the shared decoder.
+"""
+
+import re
+
+import torch
+
+from lmcli.config import ModelConfig
+
+# Buffers real GPT-2 checkpoints carry that are not parameters (the causal mask).
+IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
+
+_RENAMES = {
+    "ln_1": "input_layernorm",
+    "ln_2": "post_attention_layernorm",
+    "attn.c_proj": "self_attn.o_proj",
+    "mlp.c_fc": "mlp.up_proj",
+    "mlp.c_proj": "mlp.down_proj",
+}
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    hidden = int(hf.get("n_embd", 768))
+    heads = int(hf.get("n_head", 12))
+    fields = dict(
+        model_type=hf.get("model_type", "gpt2"),
+        architecture="gpt2",
+        vocab_size=int(hf.get("vocab_size", 50257)),
+        hidden_size=hidden,
+        intermediate_size=int(hf.get("n_inner") or 4 * hidden),
+        num_hidden_layers=int(hf.get("n_layer", 12)),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=int(hf.get("n_positions", 1024)),
+        norm_type="layernorm",
+        norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+        attention_bias=True,
+        attention_out_bias=True,
+        mlp_bias=True,
+        gated_mlp=False,
+        hidden_act=hf.get("activation_function", "gelu_new"),
+        position_embedding="learned",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        pad_token_id=hf.get("pad_token_id"),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        hf_config=dict(hf),
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def convert_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """GPT-2 names -> shared decoder names; Conv1D [in, out] -> Linear [out, in]; c_attn -> q, k, v."""
+    out = {}
+    for name, tensor in tensors.items():
+        if name.startswith("transformer."):
+            name = name[len("transformer."):]
+        if IGNORED.search(name):
+            continue
+        if name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
+            target = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
+            prefix, leaf = name.split(".")
+            out[f"{target[prefix]}.{leaf}"] = tensor
+            continue
+        match = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
+        if not match:
+            out[name] = tensor  # lm_head.weight, or an unexpected name the strict check reports
+            continue
+        layer, module, leaf = match.groups()
+        prefix = f"model.layers.{layer}"
+        is_conv1d_weight = leaf == "weight" and not module.startswith("ln_")
+        if is_conv1d_weight:
+            tensor = tensor.t()
+        if module == "attn.c_attn":
+            for part, chunk in zip("qkv", tensor.chunk(3, dim=0)):
+                out[f"{prefix}.self_attn.{part}_proj.{leaf}"] = chunk
+            continue
+        out[f"{prefix}.{_RENAMES.get(module, module)}.{leaf}"] = tensor
+    return out

@@ -1,0 +1,225 @@
+"""The building blocks every architecture shares: norms, RoPE, attention, MLP and MoE.
+
+Parameter names follow HuggingFace's llama family (q_proj, gate_proj, input_layernorm, ...) so that
+most checkpoints load by name; architectures with other names rename at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lmcli.config import SLIDING, ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32: half precision loses too much in mean(x^2).
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:  # gemma applies (1 + w) in float32, then casts
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or config.hidden_size
+    if config.norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=config.norm_eps)
+    return RMSNorm(dim, config.norm_eps, config.norm_unit_offset)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+# --- rotary position embeddings -------------------------------------------------------------------
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, a smooth blend between.
+        original = rope.original_max_position_embeddings or max_position_embeddings
+        low_freq_wavelen = original / rope.low_freq_factor
+        high_freq_wavelen = original / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, blended, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionInputs:
+    """What every attention layer of one forward call needs besides its hidden states.
+
+    Slots are column indices of the (left-padded) token sequence; a cache stores keys by slot.
+    """
+
+    query_slots: torch.Tensor  # [T] long: slot of each query
+    slot_is_token: torch.Tensor  # [B, S_total] bool: False where the slot holds a pad
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, 1, T, hd]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.window = config.sliding_window if layer_type == SLIDING else None
+        self.layer_type = layer_type
+        self.scale = config.attention_scale or self.head_dim**-0.5
+        self.softcap = config.attn_logit_softcapping
+        self.use_rope = config.position_embedding == "rope"
+        hidden, q_dim, kv_dim = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, q_dim, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            cos, sin = inputs.rope[self.layer_type]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        if cache is None:
+            key_slots = inputs.query_slots
+        else:
+            k, v, key_slots = cache.update(k, v, inputs.query_slots)  # (B, nkv, S, hd), [S]
+        mask = self._mask(inputs, key_slots)  # (B, 1, T, S)
+
+        repeats = self.num_heads // self.num_kv_heads
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)  # (B, nh, S, hd)
+            v = v.repeat_interleave(repeats, dim=1)
+        if self.softcap is None:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, S)
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
+        return self.o_proj(out)
+
+    def _mask(self, inputs: AttentionInputs, key_slots: torch.Tensor) -> torch.Tensor:
+        """Boolean [B, 1, T, S]: True where a query may attend to a key."""
+        q = inputs.query_slots[:, None]  # (T, 1)
+        k = key_slots[None, :]  # (1, S)
+        allowed = (k <= q) & (k >= 0)  # causal; slot -1 marks an empty cache entry
+        if self.window is not None:
+            allowed &= k > q - self.window  # the last `window` keys, the query's own included
+        is_token = inputs.slot_is_token[:, key_slots.clamp(min=0)]  # (B, S)
+        mask = allowed[None] & is_token[:, None, :]  # (B, T, S)
+        # A pad query would attend to nothing (NaN); let it see itself. Its output is never used.
+        mask |= (k == q)[None]
+        return mask[:, None]
+
+
+# --- feed-forward ---------------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    """Gated (SwiGLU/GeGLU: down(act(gate(x)) * up(x))) or plain (down(act(up(x))))."""
+
+    def __init__(self, config: ModelConfig, hidden: int | None = None, intermediate: int | None = None):
+        super().__init__()
+        hidden = hidden or config.hidden_size
+        intermediate = intermediate or config.intermediate_size
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias) if config.gated_mlp else None
+        self.up_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Expert(nn.Module):
+    """One mixtral expert, named as the checkpoints name it: w1 gate, w3 up, w2 down."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.act = ACTIVATIONS[config.hidden_act]
+        self.w1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.w2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.w3 = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+class SparseMoE(nn.Module):
+    """Top-k routed experts; routing weights are a softmax renormalised over the chosen experts."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.gate = nn.Linear(config.hidden_size, config.num_local_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(config) for _ in range(config.num_local_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])  # (N, hidden)
+        router_probs = torch.softmax(self.gate(tokens).float(), dim=-1)  # (N, E)
+        weights, chosen = router_probs.topk(self.top_k, dim=-1)  # (N, k)
+        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for expert_index in chosen.unique().tolist():
+            token_index, slot = (chosen == expert_index).nonzero(as_tuple=True)
+            expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
+            out.index_add_(0, token_index, expert_out * weights[token_index, slot, None])
+        return out.view(shape)

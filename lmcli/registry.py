@@ -1,0 +1,100 @@
+"""Names users type -> architecture modules and preset configs.
+
+An architecture module (lmcli/models/<name>.py) provides `config_from_hf(hf_dict) -> ModelConfig`
+and, when its checkpoint names differ from the shared decoder's, `convert_checkpoint(tensors, config)`.
+Presets are HF-style config.json files in configs/, named as users type them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from lmcli.errors import ConfigError
+
+ARCHITECTURES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma")
+
+# HF model_type -> lmcli architecture module.
+MODEL_TYPES = {
+    "gpt2": "gpt2",
+    "llama": "llama",
+    "mistral": "mistral",
+    "mixtral": "mixtral",
+    "qwen2": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3_text": "gemma",
+}
+
+# A bare architecture name used where a config is needed resolves to its flagship preset.
+FLAGSHIP_PRESETS = {
+    "gpt2": "gpt2",
+    "llama": "llama-3.2-1b",
+    "mistral": "mistral-7b-v0.1",
+    "mixtral": "mixtral-8x7b-v0.1",
+    "qwen2": "qwen2.5-0.5b",
+    "gemma": "gemma-3-270m",
+    "gemma2": "gemma-2-2b",
+    "gemma3_text": "gemma-3-270m",
+}
+
+PRESETS_DIR = Path(__file__).resolve().parent / "configs"
+
+
+def list_architectures() -> list[str]:
+    return list(ARCHITECTURES)
+
+
+def list_presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def preset_config(name: str) -> dict[str, Any] | None:
+    """The HF config dict of a preset (or of an architecture's flagship preset), or None."""
+    name = FLAGSHIP_PRESETS.get(name, name)
+    path = PRESETS_DIR / f"{name}.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def architecture_module(model_type: str) -> ModuleType:
+    arch = MODEL_TYPES.get(model_type)
+    if arch is None:
+        known = ", ".join(sorted(MODEL_TYPES))
+        raise ConfigError(f"unknown architecture '{model_type}' (supported model_type values: {known})")
+    return importlib.import_module(f"lmcli.models.{arch}")
+
+
+def model_type_for_name(name: str) -> str | None:
+    """The HF model_type a user-typed `--model` name stands for (architecture, HF type or preset)."""
+    if name in MODEL_TYPES:
+        return name
+    config = preset_config(name)
+    return None if config is None else config.get("model_type")
+
+
+def config_from_hf(hf: dict[str, Any], model: str | None = None):
+    """ModelConfig from an HF config dict; `model` may name the architecture explicitly."""
+    model_type = hf.get("model_type")
+    if model is not None:
+        wanted = model_type_for_name(model)
+        if wanted is None:
+            raise ConfigError(
+                f"unknown model '{model}' (architectures: {', '.join(ARCHITECTURES)}; "
+                f"presets: {', '.join(list_presets())})"
+            )
+        if model_type in MODEL_TYPES and MODEL_TYPES[model_type] != MODEL_TYPES[wanted]:
+            raise ConfigError(
+                f"--model {model} is a {MODEL_TYPES[wanted]} model but the checkpoint's config.json "
+                f"says model_type '{model_type}'"
+            )
+        if model_type not in MODEL_TYPES:
+            model_type = wanted  # an unusual model_type, named explicitly by the user
+    if model_type is None:
+        raise ConfigError("config.json has no model_type; pass --model to name the architecture")
+    module = architecture_module(model_type)
+    return module.config_from_hf({**hf, "model_type": model_type})

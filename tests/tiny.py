@@ -1,0 +1,65 @@
+"""Tiny random reference models (transformers) for every architecture, saved as HF directories.
+
+Each case varies the shapes that matter: GQA vs MHA, tied vs untied heads, explicit head_dim,
+biases, and sliding windows shorter than the test prompts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 97
+
+BASE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+CASES: dict[str, tuple[str, dict]] = {
+    "gpt2": ("gpt2", dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                          bos_token_id=1, eos_token_id=2)),
+    "llama": ("llama", dict(BASE, tie_word_embeddings=False)),
+    "llama-mha-tied-bias": ("llama", dict(BASE, num_key_value_heads=4, tie_word_embeddings=True,
+                                          attention_bias=True, mlp_bias=True)),
+    "llama-headdim-rope3": ("llama", dict(BASE, head_dim=16, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}, rope_theta=500000.0)),
+    "llama-linear-rope": ("llama", dict(BASE, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("mistral", dict(BASE, sliding_window=5)),
+    "mixtral": ("mixtral", dict(BASE, sliding_window=6, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2": ("qwen2", dict(BASE, tie_word_embeddings=True)),
+    "qwen2-window": ("qwen2", dict(BASE, num_hidden_layers=3, use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=1)),
+    "gemma": ("gemma", dict(BASE, head_dim=16)),
+    "gemma2": ("gemma2", dict(BASE, head_dim=16, num_hidden_layers=3, sliding_window=4,
+                              query_pre_attn_scalar=24, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0)),
+    "gemma3_text": ("gemma3_text", dict(BASE, head_dim=16, num_hidden_layers=3, sliding_window=4,
+                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                        rope_theta=100000.0, rope_local_base_freq=10000.0,
+                                        query_pre_attn_scalar=16)),
+}
+
+
+def build_reference(case: str, seed: int = 0):
+    """A transformers model for `case`, with random weights scaled up so the logits are not flat."""
+    import transformers
+
+    model_type, fields = CASES[case]
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "ln_" in name:
+                param.normal_(0.0, 0.3) if "gemma" in model_type else param.uniform_(0.7, 1.3)
+            else:
+                param.normal_(0.0, 0.2)
+    return model.float().eval()
+
+
+def save_reference(case: str, directory: Path, seed: int = 0, **save_kwargs):
+    model = build_reference(case, seed)
+    model.save_pretrained(directory, **save_kwargs)
+    return model
