@@ -1,0 +1,567 @@
+"""The `lmcli` command: thin Typer commands that check flags, then call the library.
+
+Every command validates its flags before anything heavy is imported; torch
+and the model code load inside the commands, so `lmcli --help` stays fast.
+Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
+`--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from typer.core import TyperGroup
+
+from lmcli.errors import LmcliError, TokenizerError, UsageError
+from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+
+try:  # typer >= 0.2x ships its own copy of click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions
+
+_debug = False  # set by --debug (anywhere on the command line); shows tracebacks
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, enum.Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class OutputFormat(str, enum.Enum):
+    text = "text"
+    jsonl = "jsonl"
+
+
+class _LmcliGroup(TyperGroup):
+    """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        global _debug
+        args = list(sys.argv[1:] if args is None else args)
+        # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
+        end = args.index("--") if "--" in args else len(args)
+        _debug = "--debug" in args[:end]
+        args = [a for a in args[:end] if a != "--debug"] + args[end:]
+        try:
+            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
+        except click_exceptions.NoArgsIsHelpError as e:
+            typer.echo(e.format_message())
+            code = 0
+        except click_exceptions.UsageError as e:
+            code = _fail(_click_usage_line(e), e.exit_code)
+        except click_exceptions.ClickException as e:
+            code = _fail(e.format_message(), e.exit_code)
+        except typer.Abort:
+            code = _fail("aborted", 1)
+        except LmcliError as e:
+            code = _fail(str(e), e.exit_code)
+        except Exception as e:  # a bug in lmcli: say so in one line; --debug shows where
+            code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+def _click_usage_line(e) -> str:
+    message = " ".join(e.format_message().split())
+    if e.ctx is not None:
+        message += f" (see '{e.ctx.command_path} --help')"
+    return message
+
+
+def _fail(message: str, code: int) -> int:
+    if _debug and sys.exc_info()[0] is not None:
+        traceback.print_exc()
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    return code
+
+
+app = typer.Typer(
+    name="lmcli",
+    cls=_LmcliGroup,
+    help="Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma).",
+    epilog="Run 'lmcli COMMAND --help' for a command's options.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("lmcli")
+        except PackageNotFoundError:
+            from lmcli import __version__ as number
+        typer.echo(f"lmcli {number}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+    debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks instead of one-line errors.")] = False,
+) -> None:
+    """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""
+
+
+# ----------------------------------------------------------------------------- shared options
+
+MODEL_PANEL = "Model"
+DECODING_PANEL = "Decoding"
+STOPPING_PANEL = "Stopping"
+PROMPT_PANEL = "Prompt"
+OUTPUT_PANEL = "Output"
+JOBS_PANEL = "Batch jobs"
+
+CheckpointOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--checkpoint", "-c", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
+        help="An HF directory, a .safetensors file or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+    ),
+]
+ModelOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--model", "-m", metavar="NAME", show_default=False, rich_help_panel=MODEL_PANEL,
+        help="Architecture or preset name (see 'lmcli models'); optional when the checkpoint has config.json.",
+    ),
+]
+DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
+DTypeOption = Annotated[
+    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Weight dtype (auto: float32 on CPU).")
+]
+
+
+def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
+    """Load the model (with a spinner on a terminal); torch is imported here, not before."""
+    from rich.console import Console
+
+    import lmcli
+
+    console = Console(stderr=True)
+    where = str(checkpoint) if checkpoint is not None else "the default model"
+    with console.status(f"loading {where}…") if console.is_terminal else _nothing():
+        loaded, tokenizer = lmcli.load(
+            checkpoint=str(checkpoint) if checkpoint is not None else None,
+            model=model,
+            dtype=dtype.value,
+            device=device.value,
+        )
+    if tokenizer is None and need_tokenizer:
+        raise TokenizerError(
+            f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
+        )
+    return loaded, tokenizer
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+@app.command()
+def generate(
+    prompt: Annotated[
+        Optional[str],
+        typer.Argument(
+            metavar="PROMPT", show_default=False,
+            help="The prompt. '-' (or no PROMPT with stdin piped) reads all of stdin as the prompt.",
+        ),
+    ] = None,
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    max_new_tokens: Annotated[
+        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
+    ] = DEFAULT_MAX_NEW_TOKENS,
+    temperature: Annotated[
+        Optional[float],
+        typer.Option(
+            show_default=False, rich_help_panel=DECODING_PANEL,
+            help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
+        ),
+    ] = None,
+    top_k: Annotated[
+        Optional[int], typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
+    ] = None,
+    top_p: Annotated[
+        Optional[float],
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
+    ] = None,
+    repetition_penalty: Annotated[
+        Optional[float],
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
+    ] = None,
+    greedy: Annotated[
+        bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
+    ] = False,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
+    ] = None,
+    stop: Annotated[
+        Optional[list[str]],
+        typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+    ] = None,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
+    ] = False,
+    chat: Annotated[
+        bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
+    ] = False,
+    system: Annotated[
+        Optional[str], typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
+    ] = None,
+    output_format: Annotated[
+        Optional[OutputFormat],
+        typer.Option("--format", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
+    ] = None,
+    logprobs: Annotated[
+        Optional[int],
+        typer.Option(
+            metavar="K", show_default=False, rich_help_panel=OUTPUT_PANEL,
+            help="In JSON output, each token's log-probability and the top K alternatives.",
+        ),
+    ] = None,
+    stats: Annotated[
+        bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).")
+    ] = False,
+    input_path: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--input", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL,
+            help="Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
+        ),
+    ] = None,
+    output_path: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", metavar="FILE", dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL, help="Write the job's JSONL rows here (default: stdout), with a progress bar."),
+    ] = None,
+    batch_size: Annotated[
+        Optional[int],
+        typer.Option(min=1, show_default=False, rich_help_panel=JOBS_PANEL, help="Rows per batch (default: 8 on CPU, 32 on GPU)."),
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", metavar="", rich_help_panel=JOBS_PANEL, help="Finish an interrupted job: keep the rows already in --output, run the rest.")
+    ] = False,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", metavar="", rich_help_panel=JOBS_PANEL, help="Replace an existing --output file.")
+    ] = False,
+) -> None:
+    """Generate a completion for PROMPT, or for every row of --input.
+
+    In a terminal the text streams in live after the dimmed prompt; in a pipe
+    only the completion is written. Examples:
+
+      lmcli generate --greedy -n 40 "The capital of France is"
+
+      lmcli generate --chat --system "Be brief." "Name three rivers."
+
+      lmcli generate --input prompts.jsonl --output results.jsonl --resume
+    """
+    from lmcli.jobs import GenerationSettings
+
+    _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
+    if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
+        raise UsageError("--logprobs goes into JSON output; add --format jsonl")
+    settings = GenerationSettings.from_flags(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        chat=chat,
+        system=system,
+        logprobs=logprobs,
+    )
+
+    def load():
+        return _load(checkpoint, model, device, dtype)
+
+    if input_path is not None:
+        _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
+        return
+    text = _read_prompt(prompt)
+    _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
+
+
+def _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format) -> None:
+    if input_path is None:
+        for flag, value in (("--output", output_path), ("--batch-size", batch_size), ("--resume", resume), ("--overwrite", overwrite)):
+            if value:
+                raise UsageError(f"{flag} only applies to batch jobs (--input FILE)")
+        return
+    if prompt is not None:
+        raise UsageError("give either a PROMPT or --input FILE, not both")
+    if output_format == OutputFormat.text:
+        raise UsageError("--input jobs always write JSONL; drop --format text")
+    if resume and overwrite:
+        raise UsageError("--resume and --overwrite contradict each other; pick one")
+    if resume and output_path is None:
+        raise UsageError("--resume needs --output FILE (the file to finish)")
+    if output_path is not None and output_path.resolve() == input_path.resolve():
+        raise UsageError("--output must not be the --input file")
+
+
+def _read_prompt(prompt: str | None) -> str:
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("no prompt: give PROMPT, pipe text on stdin, or use --input FILE")
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise UsageError("the prompt is empty")
+    return prompt
+
+
+STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
+
+
+def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
+    import json
+
+    from rich.console import Console
+
+    from lmcli.jobs import RowError, generate_batch, prepare_row, require_chat_template
+    from lmcli.streaming import PlainOutput, TerminalOutput
+
+    model, tokenizer = load()
+    if settings.chat:
+        require_chat_template(tokenizer)
+    try:
+        row = prepare_row(tokenizer, 1, prompt, settings)
+    except RowError as e:
+        raise UsageError(str(e)) from None
+
+    terminal = sys.stdout.isatty()
+    if output_format == OutputFormat.jsonl:
+        output, on_text = None, None
+    else:
+        output = TerminalOutput() if terminal else PlainOutput()
+        output.prompt(prompt)
+
+        def on_text(_result, piece: str) -> None:
+            output.write(piece)
+
+    try:
+        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
+    except KeyboardInterrupt:
+        if output is not None:
+            output.end()
+        sys.stderr.write("interrupted\n")
+        raise typer.Exit(130) from None
+    except ValueError as e:  # generate() refusing its input, e.g. a prompt longer than the context
+        raise LmcliError(" ".join(str(e).split())) from None
+
+    if output is None:
+        sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+    else:
+        if terminal:
+            output.end()
+        if terminal or stats:
+            Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False)
+
+
+def _summary(result) -> str:
+    tokens = len(result.tokens)
+    seconds = max((result.finished_at or result.started) - result.started, 1e-9)
+    parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s"]
+    if result.first_token_at is not None:
+        parts.append(f"{(result.first_token_at - result.started) * 1000:.0f} ms to first token")
+    parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
+    if result.row.seed is not None:
+        parts.append(f"seed {result.row.seed}")
+    return " · ".join(parts)
+
+
+def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
+    from rich.console import Console
+
+    from lmcli.jobs import run_job
+
+    try:
+        report = run_job(
+            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite
+        )
+    except KeyboardInterrupt:
+        where = f"; finished rows are saved in {output_path}, rerun with --resume to do the rest" if output_path else ""
+        sys.stderr.write(f"interrupted{where}\n")
+        raise typer.Exit(130) from None
+    if output_path is not None or stats:
+        parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
+        if report.skipped:
+            parts.append(f"{report.skipped} already done")
+        parts.append(f"{report.tokens} tokens")
+        parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
+        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False)
+    if report.failed:
+        raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
+
+
+# ----------------------------------------------------------------------------- models, info, bench
+
+
+@app.command()
+def models() -> None:
+    """List the supported architectures and the model presets (for --model)."""
+    from lmcli import registry
+
+    rows = []
+    for name in registry.list_presets():
+        config = registry.preset_config(name) or {}
+        arch = registry.MODEL_TYPES.get(config.get("model_type"), config.get("model_type", "?"))
+        rows.append((name, arch, _count(config.get("num_hidden_layers")), _count(config.get("hidden_size")),
+                     _count(config.get("max_position_embeddings"))))
+    architectures = ", ".join(registry.list_architectures())
+    if not sys.stdout.isatty():
+        typer.echo(f"architectures\t{architectures}")
+        for row in rows:
+            typer.echo("\t".join(row))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]Architectures:[/bold] {architectures}")
+    table = Table(title="Presets (--model NAME)", title_justify="left")
+    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"), ("context", "right")):
+        table.add_column(column, justify=justify)
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+
+
+def _count(value) -> str:
+    return "" if value is None else str(value)
+
+
+@app.command()
+def info(
+    checkpoint: Annotated[
+        Optional[Path],
+        typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
+    ] = None,
+    model: ModelOption = None,
+) -> None:
+    """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
+    config = loaded.config
+    parameters = sum(p.numel() for p in loaded.parameters())
+    dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+    window = getattr(config, "sliding_window", None)
+    facts = [
+        ("checkpoint", str(checkpoint) if checkpoint is not None else "embedded default model"),
+        ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
+        ("parameters", f"{_human(parameters)} ({parameters:,})"),
+        ("dtype", dtype),
+        ("context length", f"{config.max_position_embeddings:,} tokens"),
+        ("sliding window", f"{window:,} tokens" if window else "none"),
+        ("layers", str(config.num_hidden_layers)),
+        ("hidden size", str(config.hidden_size)),
+        ("heads", f"{getattr(config, 'num_attention_heads', '?')} (kv {getattr(config, 'num_key_value_heads', '?')})"),
+        ("vocabulary", f"{config.vocab_size:,}"),
+        ("tokenizer", type(tokenizer).__name__ if tokenizer is not None else "none"),
+        ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
+    ]
+    if checkpoint is not None:
+        facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
+    if not sys.stdout.isatty():
+        for key, value in facts:
+            typer.echo(f"{key}: {value}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in facts:
+        table.add_row(key, value)
+    Console().print(table)
+
+
+def _size_on_disk(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def _human(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def _human_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
+@app.command()
+def bench(
+    checkpoint: CheckpointOption = None,
+    model: ModelOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    max_new_tokens: Annotated[
+        Optional[int], typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
+    ] = None,
+    batch_size: Annotated[Optional[int], typer.Option(min=1, show_default=False, help="Rows per batch.")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, show_default=False, help="Prompt length in tokens.")] = None,
+) -> None:
+    """Benchmark generation speed (see lmcli/bench.py)."""
+    from lmcli import bench as bench_module
+
+    options = dict(
+        checkpoint=str(checkpoint) if checkpoint is not None else None,
+        model=model,
+        device=device.value,
+        dtype=dtype.value,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        prompt_tokens=prompt_tokens,
+    )
+    # Unset options are left out so bench.py's own defaults apply.
+    bench_module.main(**{k: v for k, v in options.items() if v is not None})
+
+
+def main() -> None:
+    """The console-script entry point."""
+    app()
