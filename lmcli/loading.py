@@ -121,5 +121,6 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         built = BaseModel(config)
     tensors = {name: t.to(device=device) for name, t in tensors.items()}
     fill_model(built, tensors, source, origin)
+    built.use_fast_layout()
     built.eval()
     return built, tokenizer

@@ -7,7 +7,7 @@ most checkpoints load by name; architectures with other names rename at load tim
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -98,6 +98,7 @@ class AttentionInputs:
     query_slots: torch.Tensor  # [T] long: slot of each query
     slot_is_token: torch.Tensor  # [B, S_total] bool: False where the slot holds a pad
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, 1, T, hd]
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)  # layer type -> [B, 1, T, S], filled lazily
 
 
 class Attention(nn.Module):
@@ -137,19 +138,25 @@ class Attention(nn.Module):
             key_slots = inputs.query_slots
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots)  # (B, nkv, S, hd), [S]
-        mask = self._mask(inputs, key_slots)  # (B, 1, T, S)
+        # Layers of one type share their key slots, so their mask is built once per forward.
+        mask = inputs.masks.get(self.layer_type)
+        if mask is None:
+            mask = inputs.masks[self.layer_type] = self._mask(inputs, key_slots)  # (B, 1, T, S)
 
+        # Grouped-query attention without copying the cache: the query heads that share a kv head
+        # become extra query rows of that head. (B, nh, T, hd) -> (B, nkv, rep * T, hd)
         repeats = self.num_heads // self.num_kv_heads
+        q = q.reshape(B, self.num_kv_heads, repeats * T, self.head_dim)
         if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)  # (B, nh, S, hd)
-            v = v.repeat_interleave(repeats, dim=1)
+            mask = mask.repeat(1, 1, repeats, 1)  # (B, 1, rep * T, S)
         if self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
-            scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nh, T, S)
+            scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nkv, rep * T, S)
             scores = torch.tanh(scores / self.softcap) * self.softcap
             scores = scores.masked_fill(~mask, float("-inf"))
             out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+        out = out.reshape(B, self.num_heads, T, self.head_dim)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
         return self.o_proj(out)
 
