@@ -211,18 +211,19 @@ def _write_entry(checkpoint, entry: Path, key: dict[str, Any]) -> None:
             raise OSError(f"{staging}: the safetensors file just written has no readable header")
         manifest = {"key": key, "tensors": layout[0], "safetensors_bytes": layout[1]}
         _write_json(staging / "manifest.json", manifest)  # last: its presence means complete
-        _swap_into_place(staging, entry, key)
+        _swap_into_place(staging, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _remove_superseded(entry, key)
 
 
-def _swap_into_place(staging: Path, entry: Path, key: dict[str, Any]) -> None:
-    """Rename the finished directory to `entry`, moving aside a stale one that may be there."""
+def _swap_into_place(staging: Path, entry: Path) -> None:
+    """Rename the finished directory to `entry`, moving aside whatever is there (stale or damaged).
+
+    Readers of the old one keep their open files; a process racing us just leaves its own, equally good, copy.
+    """
     for _ in range(3):
         if entry.exists():
-            if _entry_is_valid(entry, key):  # another process finished the same entry first
-                return
             trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=entry.parent))
             try:
                 os.rename(entry, trash / "entry")

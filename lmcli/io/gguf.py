@@ -170,8 +170,8 @@ def _parse_header(buf: mmap.mmap, path: Path) -> GGUFHeader:
     kv_count = cur.unpack("<Q", "metadata count")
     left = cur.size - cur.pos
     if kv_count * _MIN_KV_BYTES + tensor_count * _MIN_TENSOR_INFO_BYTES > left:
-        raise cur.fail(f"header claims {kv_count} metadata entries and {tensor_count} tensors, "
-                       f"more than a {cur.size}-byte file can hold")
+        raise cur.fail(f"truncated or corrupt header: it claims {kv_count} metadata entries and {tensor_count} "
+                       f"tensors, more than a {cur.size}-byte file can hold")
 
     metadata: dict[str, Any] = {}
     for _ in range(kv_count):
