@@ -312,6 +312,9 @@ def generate(
     def load():
         return _load(checkpoint, model, device, dtype)
 
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
+
     if input_path is not None:
         _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
         return
@@ -389,11 +392,10 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     if output is None:
         sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
         sys.stdout.flush()
-    else:
-        if terminal:
-            output.end()
-        if terminal or stats:
-            Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False)
+    elif terminal:
+        output.end()
+    if stats or (terminal and output is not None):
+        Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False, soft_wrap=True)
 
 
 def _summary(result) -> str:
@@ -427,7 +429,7 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
             parts.append(f"{report.skipped} already done")
         parts.append(f"{report.tokens} tokens")
         parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
-        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False)
+        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
     if report.failed:
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
 
@@ -444,8 +446,11 @@ def models() -> None:
     for name in registry.list_presets():
         config = registry.preset_config(name) or {}
         arch = registry.MODEL_TYPES.get(config.get("model_type"), config.get("model_type", "?"))
-        rows.append((name, arch, _count(config.get("num_hidden_layers")), _count(config.get("hidden_size")),
-                     _count(config.get("max_position_embeddings"))))
+        # gpt2's config.json spells the sizes its own way
+        layers = config.get("num_hidden_layers", config.get("n_layer"))
+        hidden = config.get("hidden_size", config.get("n_embd"))
+        context = config.get("max_position_embeddings", config.get("n_positions"))
+        rows.append((name, arch, _count(layers), _count(hidden), _count(context)))
     architectures = ", ".join(registry.list_architectures())
     if not sys.stdout.isatty():
         typer.echo(f"architectures\t{architectures}")
@@ -494,7 +499,7 @@ def info(
         ("hidden size", str(config.hidden_size)),
         ("heads", f"{getattr(config, 'num_attention_heads', '?')} (kv {getattr(config, 'num_key_value_heads', '?')})"),
         ("vocabulary", f"{config.vocab_size:,}"),
-        ("tokenizer", type(tokenizer).__name__ if tokenizer is not None else "none"),
+        ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
     ]
     if checkpoint is not None:
@@ -512,6 +517,20 @@ def info(
     for key, value in facts:
         table.add_row(key, value)
     Console().print(table)
+
+
+def _describe_tokenizer(tokenizer) -> str:
+    if tokenizer is None:
+        return "none (text cannot be encoded)"
+    backend = getattr(tokenizer, "backend", None)
+    kind = type(backend.model).__name__ if backend is not None else type(tokenizer).__name__
+    parts = [f"{kind}, {getattr(tokenizer, 'vocab_size', '?'):,} tokens"]
+    if getattr(tokenizer, "add_bos_token", False):
+        parts.append("adds BOS")
+    eos = getattr(tokenizer, "eos_token_ids", None)
+    if eos:
+        parts.append(f"EOS ids {', '.join(map(str, eos))}")
+    return "; ".join(parts)
 
 
 def _size_on_disk(path: Path) -> int:

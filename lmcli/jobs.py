@@ -474,7 +474,7 @@ def generate_batch(
 
     started = time.perf_counter()
     results = [
-        RowResult(r, RowText(tokenizer, r.settings.stop), started=started, logprobs=[] if top_logprobs is not None else None)
+        RowResult(r, RowText(tokenizer, r.settings.stop, r.prompt_ids), started=started, logprobs=[] if top_logprobs is not None else None)
         for r in rows
     ]
 
@@ -615,7 +615,7 @@ def run_job(
     settings: GenerationSettings,
     *,
     load: Callable[[], tuple[Any, Any]],
-    batch_size: int,
+    batch_size: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
     stdout: IO[str] | None = None,
@@ -672,7 +672,7 @@ def run_job(
                 report.tokens += len(result.tokens)
                 progress.advance(len(result.tokens))
 
-            for batch in plan_batches(prepared, batch_size):
+            for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
                 _generate_isolating_failures(model, tokenizer, batch, done, writer, progress)
     finally:
         progress.close()
@@ -682,6 +682,11 @@ def run_job(
     report.failed = writer.failed
     report.seconds = time.perf_counter() - started
     return report
+
+
+def default_batch_size(model) -> int:
+    # A CPU is busy with a few rows already; a GPU needs many to be kept busy.
+    return 32 if next(model.parameters()).device.type == "cuda" else 8
 
 
 def _write_error(writer: RowWriter, row_id, prompt, message, hash_, progress: JobProgress) -> None:

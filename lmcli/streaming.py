@@ -75,12 +75,22 @@ def stream_decoder(tokenizer):
 
 
 class RowText:
-    """Token ids in, final text out, for one row: detokenise, then cut at stop strings."""
+    """Token ids in, final text out, for one row: detokenise, then cut at stop strings.
 
-    def __init__(self, tokenizer, stops: Iterable[str] = ()):
+    The text is what the new tokens add after the prompt: `decode(prompt + new)`
+    minus `decode(prompt)`. Decoding the new tokens on their own would differ at
+    the seam: SentencePiece drops the leading space of the first token of a text,
+    so "Hello" + "▁world" would print as "Helloworld".
+    """
+
+    CONTEXT_TOKENS = 4  # prompt tokens decoded along with the first new ones
+
+    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: list[int] = ()):
         self._decoder = stream_decoder(tokenizer)
         self._matcher = StopMatcher(stops)
         self._pieces: list[str] = []
+        for token_id in list(prompt_ids)[-self.CONTEXT_TOKENS :]:
+            self._decoder.push(token_id)  # context only: its text is the prompt's, not ours
 
     @property
     def stopped(self) -> bool:
@@ -146,6 +156,15 @@ class TerminalOutput:
         # Model text is not rich markup, emoji codes or something to highlight;
         # soft_wrap leaves line breaking to the terminal so pieces join seamlessly.
         self._console.print(
-            text, style=style, end="", markup=False, emoji=False, highlight=False, soft_wrap=True
+            visible_controls(text), style=style, end="", markup=False, emoji=False, highlight=False, soft_wrap=True
         )
         self._console.file.flush()
+
+
+# C0 controls other than tab and newline, and DEL, shown as their Unicode "control pictures" (ESC -> ␛),
+# so model output cannot move the cursor or send escape sequences to the terminal.
+_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\t\n"} | {0x7F: 0x2421}
+
+
+def visible_controls(text: str) -> str:
+    return text.translate(_CONTROL_PICTURES)

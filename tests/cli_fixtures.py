@@ -34,18 +34,25 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(directory: Path, vocab_size: int = 400) -> int:
-    """Train a byte-level BPE (GPT-2 style: every byte is a token) that adds BOS; returns its vocab size."""
+def build_tokenizer(directory: Path, kind: str = "byte-level", vocab_size: int = 400) -> int:
+    """Train a tokenizer that adds BOS and save it as an HF directory; returns its vocab size.
+
+    "byte-level": GPT-2 style BPE, every byte is a token, so characters split across tokens.
+    "sentencepiece": Metaspace BPE ("▁" for spaces), whose decoder drops the first token's leading space.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    if kind == "byte-level":
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+        tokenizer.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+        alphabet = []
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False
     )
     tokenizer.train_from_iterator(CORPUS * 20, trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
@@ -69,12 +76,12 @@ def build_tokenizer(directory: Path, vocab_size: int = 400) -> int:
     return tokenizer.get_vocab_size()
 
 
-def build_tiny_checkpoint(directory: Path, seed: int = 0) -> Path:
+def build_tiny_checkpoint(directory: Path, seed: int = 0, tokenizer: str = "byte-level") -> Path:
     """Tokenizer + a random LlamaForCausalLM (hidden 64, 2 layers, 4 heads, 2 kv heads) saved as safetensors."""
     import torch
     import transformers
 
-    vocab_size = build_tokenizer(directory)
+    vocab_size = build_tokenizer(directory, tokenizer)
     config = transformers.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -105,9 +112,15 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.fixture(scope="session")
+def tiny_spm_checkpoint(tmp_path_factory) -> Path:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-spm"), seed=1, tokenizer="sentencepiece")
+
+
 def run_lmcli(*args: str, input: str | bytes | None = None, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
     """`python -m lmcli ARGS` in a subprocess (real pipes: stdout is not a terminal)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONIOENCODING="utf-8")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONIOENCODING", None)  # the real default: lmcli must choose UTF-8 for pipes itself
     if isinstance(input, str):
         input = input.encode("utf-8")
     return subprocess.run(
