@@ -76,23 +76,42 @@ def hf_greedy(reference, ids, max_new_tokens, eos_token_id=None):
                                   do_sample=False, pad_token_id=PAD, **kwargs)
 
 
-def reference_loop(model, ids, max_new_tokens, sampled_rows=(), seeds=(), temperature=1.0, top_k=None, top_p=None):
-    """The overflow rule written out: every step feeds the last max_position_embeddings tokens, without
-    a cache, at positions 0.. (rows of equal length). Rows in `sampled_rows` sample with their seed's
-    own stream; the others take the argmax."""
-    transforms = sampling_transforms(temperature, top_k, top_p)
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
-    sampled = list(sampled_rows)
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -MAX_POSITIONS:])[:, -1].float()  # (B, V)
-        token = logits.argmax(-1)
-        if sampled:
-            scores = logits[sampled]
-            for transform in transforms:
-                scores = transform(None, scores)
-            token[sampled] = sample(scores, generators)
-        ids = torch.cat([ids, token[:, None]], dim=1)
-    return ids
+@torch.inference_mode()
+def overflow_logits(model, text, prompt_len):
+    """The logits the overflow rule predicts each token of `text` [L] after the prompt from: the text
+    before it, or past max_position_embeddings its last max_position_embeddings tokens, fed without a
+    cache at positions 0... Computed teacher-forced on the generated text in two batched forwards: if
+    every generated token is what these logits pick, the text equals a step-by-step reference loop
+    (by induction over the steps). Returns [L - prompt_len, V]."""
+    length = len(text)
+    parts = []
+    if prompt_len <= MAX_POSITIONS:
+        head = min(length - 1, MAX_POSITIONS)  # tokens prompt_len..head see their whole prefix
+        parts.append(model(text[None, :head])[0, prompt_len - 1:])
+    first = max(prompt_len, MAX_POSITIONS + 1)
+    if first < length:
+        windows = torch.stack([text[t - MAX_POSITIONS:t] for t in range(first, length)])  # (n, 64)
+        parts.append(model(windows)[:, -1])
+    return torch.cat(parts).float()
+
+
+def choose(logits, seed=None, temperature=1.0, top_k=None, top_p=None):
+    """Replay token choice over a row's per-step logits [n, V]: argmax, or sampling with the row's own
+    stream (a generator seeded with `seed`, one draw per step)."""
+    if seed is None:
+        return logits.argmax(-1).tolist()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = []
+    for row in logits:
+        scores = row[None]
+        for transform in sampling_transforms(temperature, top_k, top_p):
+            scores = transform(None, scores)
+        tokens.append(int(sample(scores, [generator])))
+    return tokens
+
+
+def assert_follows_overflow_rule(model, text, prompt_len, **choice):
+    assert text[prompt_len:].tolist() == choose(overflow_logits(model, text, prompt_len), **choice)
 
 
 def expected_with_eos(tokens, prompt_len, eos_ids, pad):
@@ -173,7 +192,7 @@ def test_eos_equals_transformers(pair):
 
 
 def test_past_max_position_embeddings_equals_reference_loop(pair):
-    """3x max_position_embeddings tokens in all: one greedy row and two rows sampled with their own seeds."""
+    """3x max_position_embeddings tokens in all, greedy and sampled (two rows, each with its own seed)."""
     _, _, model = pair
     (prompt,) = prompts([8], seed=3)
     n = 3 * MAX_POSITIONS - len(prompt)
@@ -189,11 +208,11 @@ def test_past_max_position_embeddings_equals_reference_loop(pair):
         if hook is not None:
             hook.remove()
     assert greedy.shape == (1, 3 * MAX_POSITIONS) and sampled.shape == (2, 3 * MAX_POSITIONS)
-    want = reference_loop(model, prompt[None].expand(3, -1), n, sampled_rows=[1, 2], seeds=[11, 12], temperature=0.8)
-    assert greedy[0].tolist() == want[0].tolist()
-    assert sampled.tolist() == want[1:].tolist()
     if hook is not None:
         assert positions_seen and max(positions_seen) == MAX_POSITIONS - 1
+    assert_follows_overflow_rule(model, greedy[0], len(prompt))
+    for row, seed in zip(sampled, [11, 12]):
+        assert_follows_overflow_rule(model, row, len(prompt), seed=seed, temperature=0.8)
 
 
 def test_prompt_longer_than_max_position_embeddings(pair):
@@ -201,7 +220,7 @@ def test_prompt_longer_than_max_position_embeddings(pair):
     (prompt,) = prompts([MAX_POSITIONS + 6], seed=4)
     for use_cache in (True, False):
         got = model.generate(prompt[None], 5, do_sample=False, use_cache=use_cache)
-        assert got.tolist() == reference_loop(model, prompt[None], 5).tolist()
+        assert_follows_overflow_rule(model, got[0], len(prompt))
 
 
 # --- the shape of the call -----------------------------------------------------------------------
@@ -597,5 +616,4 @@ def test_sampling_past_max_positions_with_a_left_padded_batch(model):
     n = MAX_POSITIONS + 10
     batch = model.generate(ids, n, do_sample=True, temperature=0.9, attention_mask=mask, seed=[21, 22])
     for i, row in enumerate(rows):
-        want = reference_loop(model, row[None], n, sampled_rows=[0], seeds=[21 + i], temperature=0.9)
-        assert batch[i, ids.shape[1] - len(row):].tolist() == want[0].tolist()
+        assert_follows_overflow_rule(model, batch[i, ids.shape[1] - len(row):], len(row), seed=21 + i, temperature=0.9)

@@ -116,5 +116,5 @@ def sample(logits: torch.Tensor, generators: Sequence[torch.Generator]) -> torch
     threshold = (uniform * cdf[:, -1])[:, None]  # (B, 1)
     chosen = torch.searchsorted(cdf, threshold, right=True)  # (B, 1): first token whose cdf exceeds it
     # Rounding can put the threshold at the very top: fall back to the last token with probability > 0.
-    last_possible = torch.searchsorted(cdf, cdf[:, -1:])
+    last_possible = torch.searchsorted(cdf, cdf[:, -1:].contiguous())
     return torch.minimum(chosen, last_possible).squeeze(-1)
