@@ -65,8 +65,14 @@ class Tokenizer:
         """Ids that `decode(..., skip_special_tokens=True)` leaves out."""
         return frozenset(i for i, token in self.backend.get_added_tokens_decoder().items() if token.special)
 
+    @cached_property
+    def _byte_fallback(self) -> bool:
+        return "ByteFallback" in repr(self.backend.decoder)
+
     def is_byte_token(self, token_id: int) -> bool:
         """A byte-fallback token like "<0xE4>": one raw byte of a character the vocabulary lacks."""
+        if not self._byte_fallback:
+            return False
         piece = self.backend.id_to_token(token_id)
         return piece is not None and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
 
@@ -104,8 +110,8 @@ class Tokenizer:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(out / "tokenizer.json"))
-        # No add_bos_token/add_eos_token keys: they would make loaders rebuild the post-processor,
-        # while the one saved in tokenizer.json is already right.
+        # No add_bos_token/add_eos_token keys: the post-processor saved in tokenizer.json already
+        # adds BOS/EOS, and some loaders would rebuild it from the flags.
         config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
             if getattr(self, key) is not None:
