@@ -463,7 +463,7 @@ GGUF_PRE_SPLITS = {
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "megrez"], QWEN2_SPLIT),
     "tekken": TEKKEN_SPLIT,
 }
-GEMMA_ARCHITECTURES = {"gemma", "gemma2", "gemma3", "gemma3_text"}
+GEMMA_ARCHITECTURES = {"gemma", "gemma2", "gemma3"}
 
 
 def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
