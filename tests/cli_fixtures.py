@@ -117,12 +117,31 @@ def tiny_spm_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-spm"), seed=1, tokenizer="sentencepiece")
 
 
-def run_lmcli(*args: str, input: str | bytes | None = None, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-    """`python -m lmcli ARGS` in a subprocess (real pipes: stdout is not a terminal)."""
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run far faster on one thread, and much more steadily on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment for `python -m lmcli` subprocesses: this checkout first, torch on one thread."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env.pop("PYTHONIOENCODING", None)  # the real default: lmcli must choose UTF-8 for pipes itself
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_lmcli(*args: str, input: str | bytes | None = None, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m lmcli ARGS` in a subprocess (real pipes: stdout is not a terminal)."""
     if isinstance(input, str):
         input = input.encode("utf-8")
     return subprocess.run(
-        [sys.executable, "-m", "lmcli", *args], input=input, capture_output=True, timeout=timeout, env=env, **kwargs
+        [sys.executable, "-m", "lmcli", *args], input=input, capture_output=True, timeout=timeout,
+        env=subprocess_env(), **kwargs
     )

@@ -20,9 +20,17 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from cli_fixtures import REPO, run_lmcli, tiny_checkpoint, tiny_spm_checkpoint  # noqa: F401 (fixtures)
+from cli_fixtures import (  # noqa: F401 (fixtures)
+    REPO,
+    one_torch_thread,
+    run_lmcli,
+    subprocess_env,
+    tiny_checkpoint,
+    tiny_spm_checkpoint,
+)
 from lmcli.cli import app
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 runner = CliRunner()
 
 
@@ -308,13 +316,13 @@ def test_job_output_refuses_to_clobber(tiny_checkpoint, tmp_path):
 
 def test_a_killed_job_resumes_with_every_row_exactly_once(tiny_checkpoint, tmp_path):
     source = tmp_path / "prompts.txt"
-    source.write_text("".join(f"row {i}: Привет 🙂\n" for i in range(160)))
+    rows = 48
+    source.write_text("".join(f"row {i}: Привет 🙂\n" for i in range(rows)))
     out, reference = tmp_path / "out.jsonl", tmp_path / "reference.jsonl"
-    flags = ["-c", tiny_checkpoint, "--input", source, "-n", 8, "--seed", 0, "--ignore-eos"]
+    flags = ["-c", tiny_checkpoint, "--input", source, "-n", 12, "--seed", 0, "--ignore-eos"]
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     job = subprocess.Popen([sys.executable, "-m", "lmcli", "generate", *map(str, flags), "--output", str(out),
-                            "--batch-size", "1"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            "--batch-size", "1"], env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and job.poll() is None:
         if out.exists() and out.read_bytes().count(b"\n") >= 3:
@@ -323,15 +331,15 @@ def test_a_killed_job_resumes_with_every_row_exactly_once(tiny_checkpoint, tmp_p
     job.send_signal(signal.SIGKILL)
     job.wait()
     done_before = out.read_bytes().count(b"\n")
-    assert 3 <= done_before < 160, job.stderr.read().decode()
+    assert 3 <= done_before < rows, job.stderr.read().decode()
     with open(out, "ab") as f:  # as if the kill had landed in the middle of a write
-        f.write(b'{"id": 150, "prompt": "row 149: \xd0\x9f')
+        f.write(b'{"id": 40, "prompt": "row 39: \xd0\x9f')
 
     result = cli("generate", *flags, "--output", out, "--resume")
     assert result.exit_code == 0, result.stderr
-    assert f"{160 - done_before} rows written" in result.stderr and f"{done_before} already done" in result.stderr
+    assert f"{rows - done_before} rows written" in result.stderr and f"{done_before} already done" in result.stderr
     resumed = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["id"] for r in resumed) == list(range(1, 161))
+    assert sorted(r["id"] for r in resumed) == list(range(1, rows + 1))
 
     result = cli("generate", *flags, "--output", reference, "--batch-size", 16)
     assert result.exit_code == 0
@@ -358,8 +366,7 @@ def test_terminal_shows_the_prompt_dimmed_then_the_stream_and_a_summary(tiny_che
 
     prompt, flags = "Hello", ["--seed", "2", "-n", "16", "--ignore-eos"]
     expected = generate_json(tiny_checkpoint, prompt, *flags)["completion"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               TERM="xterm-256color", COLUMNS="200", LINES="50")
+    env = subprocess_env(TERM="xterm-256color", COLUMNS="200", LINES="50")
     env.pop("NO_COLOR", None)
     primary, secondary = pty.openpty()
     process = subprocess.Popen([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), *flags, prompt],
