@@ -107,6 +107,12 @@ def _sha256(path: Path, limit: int | None = None) -> str:
     return digest.hexdigest()
 
 
+def gguf_fingerprint(path: str | Path) -> str:
+    """Identifies a GGUF file's content cheaply: its size and a hash of its first 16 MiB (header and then some)."""
+    path = Path(path)
+    return f"{path.stat().st_size}-{_sha256(path, HASHED_PREFIX_BYTES)[:32]}"
+
+
 def _converter_version() -> str:
     """Entries made by another version of the GGUF reader are not trusted: its output may differ."""
     import gguf
@@ -124,8 +130,8 @@ def _cache_key(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
     return {
         "format": CACHE_FORMAT,
         "source": str(gguf_path),
-        **_file_identity(gguf_path),
-        "header_sha256": _sha256(gguf_path, HASHED_PREFIX_BYTES),
+        "mtime_ns": gguf_path.stat().st_mtime_ns,
+        "fingerprint": gguf_fingerprint(gguf_path),
         "dtype": _dtype_name(dtype),
         "converter": _converter_version(),
     }
