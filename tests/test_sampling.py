@@ -294,3 +294,16 @@ def test_row_generators_from_int_list_tensor_and_global_seed():
     assert a == b and len(set(a)) == 3  # from the global generator, a different seed per row
     with pytest.raises(ValueError, match="seed"):
         row_generators([1, 2, 3], 2, cpu)
+
+
+def test_row_generators_accept_integer_like_seeds_and_reject_others():
+    import numpy as np
+
+    cpu = torch.device("cpu")
+    fresh = float(torch.rand((), generator=torch.Generator().manual_seed(4)))
+    for seed in (np.int64(4), torch.tensor(4), [np.int32(4)], (4,)):
+        assert float(torch.rand((), generator=row_generators(seed, 1, cpu)[0])) == fresh
+    row_generators(2**64 - 1, 1, cpu)  # the whole unsigned 64-bit range
+    for bad in (1.5, [1.0], True, [True], "4", [None], 2**64, [-(2**63) - 1]):
+        with pytest.raises(ValueError, match="seed"):
+            row_generators(bad, 1, cpu)

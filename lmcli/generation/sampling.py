@@ -6,6 +6,7 @@ its argument once, in __init__, with a message that says what to pass instead.
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Sequence
 
 import torch
@@ -88,20 +89,34 @@ def row_generators(seed, batch_size: int, device: torch.device) -> list[torch.Ge
     `seed`: an int (every row gets it), one value per row (list or tensor), or None (drawn from torch's
     global generator, so torch.manual_seed still makes the call reproducible).
     """
+    if isinstance(seed, torch.Tensor):
+        seed = seed.tolist()  # a 0-d tensor becomes one int
     if seed is None:
         seeds = torch.randint(0, 2**62, (batch_size,)).tolist()
-    elif isinstance(seed, int) and not isinstance(seed, bool):
-        seeds = [seed] * batch_size
+    elif _is_int(seed):
+        seeds = [int(seed)] * batch_size
     else:
-        seeds = [int(s) for s in (seed.tolist() if isinstance(seed, torch.Tensor) else seed)]
+        try:
+            seeds = list(seed)
+        except TypeError:
+            seeds = [seed]
+        if not all(_is_int(s) for s in seeds):
+            raise ValueError(f"seed must be an int or one int per row, got {seed!r}")
+        seeds = [int(s) for s in seeds]
         if len(seeds) != batch_size:
             raise ValueError(f"seed has {len(seeds)} values but the batch has {batch_size} rows")
     generators = []
     for value in seeds:
+        if not -(2**63) <= value < 2**64:
+            raise ValueError(f"seed {value} is out of range (use an integer from 0 to 2**64-1)")
         generator = torch.Generator(device=device)
         generator.manual_seed(value)
         generators.append(generator)
     return generators
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def sample(logits: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
