@@ -374,7 +374,8 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
         output, on_text = None, None
     else:
         output = TerminalOutput() if terminal else PlainOutput()
-        output.prompt(prompt)
+        # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
+        output.prompt(prompt + "\n" if settings.chat else prompt)
 
         def on_text(_result, piece: str) -> None:
             output.write(piece)

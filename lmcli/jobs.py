@@ -574,7 +574,7 @@ class JobReport:
 class JobProgress:
     """A rich progress bar on stderr (rows, tokens/s, ETA); silent when stderr is not a terminal."""
 
-    def __init__(self, total: int, enabled: bool):
+    def __init__(self, total: int, completed: int = 0, enabled: bool = True):
         self._bar = None
         self._tokens = 0
         self._started = time.perf_counter()
@@ -595,10 +595,10 @@ class JobProgress:
             TimeRemainingColumn(),
             console=console,
         )
-        self._task = self._bar.add_task("rows", total=total, speed="")
+        self._task = self._bar.add_task("rows", total=total, completed=completed, speed="")
         self._bar.start()
 
-    def advance(self, tokens: int) -> None:
+    def advance(self, tokens: int = 0) -> None:
         self._tokens += tokens
         if self._bar is not None:
             speed = self._tokens / max(time.perf_counter() - self._started, 1e-9)
@@ -650,14 +650,16 @@ def run_job(
         mode = "a" if resume else "w"
         stream, durable = open(output_path, mode, encoding="utf-8", newline="\n"), True
     writer = RowWriter(stream, durable)
-    progress = JobProgress(len(todo), enabled=output_path is not None and show_progress and bool(todo))
+    progress = JobProgress(0, enabled=False)
     try:
         for row in todo:
             if row.error is not None:
-                _write_error(writer, row.id, row.prompt, row.error, row.input_hash, progress)
+                _write_error(writer, row.id, row.prompt, row.error, row.input_hash)
         pending = [row for row in todo if row.error is None]
         if pending:
             model, tokenizer = load()
+            # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
+            progress = JobProgress(len(todo), writer.rows, enabled=output_path is not None and show_progress)
             if any(row.settings.chat for row in pending):
                 require_chat_template(tokenizer)
             prepared = []
@@ -665,15 +667,20 @@ def run_job(
                 try:
                     prepared.append(prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash))
                 except RowError as e:
-                    _write_error(writer, row.id, row.prompt, f"line {row.line}: {e}", row.input_hash, progress)
+                    _write_error(writer, row.id, row.prompt, f"line {row.line}: {e}", row.input_hash)
+                    progress.advance()
 
             def done(result: RowResult) -> None:
                 writer.write(result.to_json())
                 report.tokens += len(result.tokens)
                 progress.advance(len(result.tokens))
 
+            def failed(row: PreparedRow, message: str) -> None:
+                _write_error(writer, row.id, row.prompt, message, row.input_hash)
+                progress.advance()
+
             for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
-                _generate_isolating_failures(model, tokenizer, batch, done, writer, progress)
+                _generate_isolating_failures(model, tokenizer, batch, done, failed)
     finally:
         progress.close()
         if output_path is not None:
@@ -689,16 +696,15 @@ def default_batch_size(model) -> int:
     return 32 if next(model.parameters()).device.type == "cuda" else 8
 
 
-def _write_error(writer: RowWriter, row_id, prompt, message, hash_, progress: JobProgress) -> None:
+def _write_error(writer: RowWriter, row_id, prompt, message, hash_) -> None:
     row = {"id": row_id}
     if prompt is not None:
         row["prompt"] = prompt
     row.update(error=message, input_hash=hash_)
     writer.write(row)
-    progress.advance(0)
 
 
-def _generate_isolating_failures(model, tokenizer, batch, done, writer, progress) -> None:
+def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:
     """Run a batch; if it fails, run its unfinished rows one by one so only the bad row fails."""
     finished_ids: set[str] = set()
 
@@ -711,12 +717,11 @@ def _generate_isolating_failures(model, tokenizer, batch, done, writer, progress
         return
     except (ValueError, RuntimeError, LmcliError) as e:
         if len(batch) == 1:
-            row = batch[0]
-            _write_error(writer, row.id, row.prompt, _one_line(e), row.input_hash, progress)
+            failed(batch[0], _one_line(e))
             return
     for row in batch:
         if _id_key(row.id) not in finished_ids:
-            _generate_isolating_failures(model, tokenizer, [row], done, writer, progress)
+            _generate_isolating_failures(model, tokenizer, [row], done, failed)
 
 
 def _one_line(error: Exception) -> str:

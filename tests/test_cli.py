@@ -389,3 +389,18 @@ def test_terminal_shows_the_prompt_dimmed_then_the_stream_and_a_summary(tiny_che
     squeeze = lambda s: re.sub(r"\s", "", s)  # noqa: E731  (rich may expand tabs)
     assert squeeze("Hello" + visible_controls(expected)) in squeeze(plain)
     assert re.search(r"16 tokens · [\d.]+ tokens/s · .* stopped: token limit · seed 2", plain)
+
+
+def test_bench_hands_its_options_to_lmcli_bench(monkeypatch):
+    import types
+
+    import lmcli
+
+    calls = []
+    fake = types.ModuleType("lmcli.bench")
+    fake.main = lambda **options: calls.append(options)
+    monkeypatch.setitem(sys.modules, "lmcli.bench", fake)
+    monkeypatch.setattr(lmcli, "bench", fake, raising=False)
+    result = cli("bench", "-n", 16, "--batch-size", 4, "--prompt-tokens", 64, "--device", "cpu")
+    assert result.exit_code == 0, result.stderr
+    assert calls == [dict(device="cpu", dtype="auto", max_new_tokens=16, batch_size=4, prompt_tokens=64)]

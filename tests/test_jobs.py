@@ -387,3 +387,24 @@ def test_job_to_stdout_and_logprobs(tmp_path, byte_decoder):
     first = row["logprobs"][0]
     assert first["top"][0]["id"] == first["id"] and first["logprob"] == first["top"][0]["logprob"]
     assert len(first["top"]) == 2 and row["seed"] is None
+
+
+class PickyModel(FakeModel):
+    """Refuses any batch holding the byte "!" (like generate() refusing a prompt that is too long)."""
+
+    def generate(self, x, *args, **kwargs):
+        if (x == 3 + ord("!")).any():
+            raise ValueError("prompt too long for this model")
+        return super().generate(x, *args, **kwargs)
+
+
+def test_a_row_that_fails_in_generate_fails_alone(tmp_path, byte_decoder):
+    source = tmp_path / "in.txt"
+    source.write_text("fine\nbad!\nalso fine\nok\n")
+    out = tmp_path / "out.jsonl"
+    report = run_job(source, out, GenerationSettings.from_flags(max_new_tokens=3), load=lambda: (PickyModel(), ByteTokenizer()),
+                     batch_size=4, show_progress=False)
+    rows = {r["id"]: r for r in read_jsonl(out)}
+    assert sorted(rows) == [1, 2, 3, 4] and report.failed == 1
+    assert rows[2]["error"] == "ValueError: prompt too long for this model" and rows[2]["prompt"] == "bad!"
+    assert all(rows[i]["completion_tokens"] == 3 for i in (1, 3, 4))
