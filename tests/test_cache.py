@@ -237,3 +237,14 @@ def test_generation_runs_with_a_traversed_cache(load, monkeypatch, case):
     out = model.generate(ids, 12, do_sample=True, attention_mask=mask, seed=[1, 2])
     assert out.shape == plain.shape and ((out >= 0) & (out < VOCAB)).all()
     assert all(t.dtype == torch.bfloat16 for t in tensors(caches[-1]))
+
+
+def test_a_half_precision_model_caches_in_its_own_dtype(tmp_path):
+    save_reference("gemma2", tmp_path)
+    model, _ = lmcli.load(tmp_path, dtype=torch.bfloat16, device="cpu")
+    cache = model.init_cache(2, 20)
+    assert {t.dtype for t in tensors(cache)} == {torch.bfloat16}
+    ids, mask = left_pad(prompts([3, 9], seed=4))
+    for do_sample in (False, True):
+        out = model.generate(ids, 12, do_sample, attention_mask=mask, seed=[1, 2])
+        assert out.shape == (2, ids.shape[1] + 12) and ((out >= 0) & (out < VOCAB)).all()
