@@ -621,6 +621,9 @@ def _hf_tensors(name: str, tensor: torch.Tensor, spec: _Architecture, config: di
         raise unexpected
     if spec.rope_rows_permuted and kind in ("attn_q", "attn_k"):
         heads = config["num_attention_heads"] if kind == "attn_q" else config["num_key_value_heads"]
+        if tensor.shape[0] % (2 * heads):
+            raise GGUFError(f"{path}: tensor '{name}' has {tensor.shape[0]} rows, not a whole number of "
+                            f"rotary pairs for {heads} heads")
         tensor = unpermute_rope_rows(tensor, heads)
     yield f"{prefix}.{names[kind]}.{leaf}", tensor
 
