@@ -106,13 +106,9 @@ app = typer.Typer(
 
 def _version(value: bool) -> None:
     if value:
-        from importlib.metadata import PackageNotFoundError, version
+        from lmcli import __version__
 
-        try:
-            number = version("lmcli")
-        except PackageNotFoundError:
-            from lmcli import __version__ as number
-        typer.echo(f"lmcli {number}")
+        typer.echo(f"lmcli {__version__}")
         raise typer.Exit()
 
 
@@ -121,6 +117,7 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
+    # Listed here for --help; main() takes --debug out of the arguments wherever it appears.
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks instead of one-line errors.")] = False,
 ) -> None:
     """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""

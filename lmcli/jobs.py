@@ -41,7 +41,7 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 
@@ -450,21 +450,17 @@ def generate_batch(
 
     settings = rows[0].settings
     device = next(model.parameters()).device
+    eos_ids = list(tokenizer.eos_token_ids or [])
+    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     width = max(len(r.prompt_ids) for r in rows)
-    # Left padding repeats each row's own first token rather than a pad id: the
-    # mask hides it from attention, and a repetition penalty (which looks at the
-    # ids) then sees exactly the tokens the row has alone.
-    input_ids = torch.tensor(
-        [[r.prompt_ids[0]] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device
-    )
+    # Left padding, masked out: generate() gives each row what it gives alone.
+    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device)
     attention_mask = None
     if any(len(r.prompt_ids) < width for r in rows):
         attention_mask = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device
         )
-    eos_ids = list(tokenizer.eos_token_ids or [])
-    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     processors = None
     if settings.repetition_penalty not in (None, 1.0):
         from lmcli.generation.sampling import RepetitionPenalty
@@ -528,6 +524,7 @@ def generate_batch(
         seed=None if settings.greedy else [r.seed for r in rows],
         logits_processors=processors,
         on_token=on_token,
+        ignore_output=True,  # on_token has seen every token already
     )
     for result in results:
         if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
