@@ -487,7 +487,7 @@ def info(
     dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
     window = getattr(config, "sliding_window", None)
     facts = [
-        ("checkpoint", str(checkpoint) if checkpoint is not None else "embedded default model"),
+        ("checkpoint", str(checkpoint)),
         ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
         ("parameters", f"{_human(parameters)} ({parameters:,})"),
         ("dtype", dtype),
@@ -500,8 +500,12 @@ def info(
         ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
     ]
-    if checkpoint is not None:
-        facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
+    if checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
+
+        checkpoint = Path(default_checkpoint_path())
+        facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
+    facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -510,8 +514,8 @@ def info(
     from rich.table import Table
 
     table = Table(show_header=False, box=None)
-    table.add_column(style="bold")
-    table.add_column()
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap rather than end in "…"
     for key, value in facts:
         table.add_row(key, value)
     Console().print(table)
