@@ -44,14 +44,18 @@ def pair(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A model for the contract tests: GQA and sliding-window (5) layers, so the rolling cache is in play."""
+def mistral(tmp_path_factory):
+    """(transformers model, lmcli model) for the contract tests: GQA and sliding-window (5) layers, so
+    the rolling cache is in play."""
     directory = tmp_path_factory.mktemp("mistral")
     reference = save_reference("mistral", directory)
     reference.generation_config.eos_token_id = None
-    loaded, _ = lmcli.load(directory)
-    loaded.reference = reference  # kept for the few tests that compare with transformers
-    return loaded
+    return reference, lmcli.load(directory)[0]
+
+
+@pytest.fixture(scope="module")
+def model(mistral):
+    return mistral[1]
 
 
 def prompts(lengths, seed=1):
@@ -581,10 +585,11 @@ def test_processors_apply_after_temperature_and_top_k_top_p(model, settings):
             torch.testing.assert_close(scores[row, list(kept)], want[row, list(kept)])
 
 
-def test_repetition_penalty_greedy_equals_transformers(model):
+def test_repetition_penalty_greedy_equals_transformers(mistral):
+    reference, model = mistral
     (prompt,) = prompts([6], seed=10)
     with torch.no_grad():
-        want = model.reference.generate(prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long),
+        want = reference.generate(prompt[None], attention_mask=torch.ones(1, 6, dtype=torch.long),
                                         max_new_tokens=15, do_sample=False, pad_token_id=PAD, repetition_penalty=1.8)
     got = model.generate(prompt[None], 15, do_sample=False, logits_processors=[RepetitionPenalty(1.8)])
     assert got.tolist() == want.tolist()
