@@ -301,10 +301,15 @@ class RowWriter:
         self.failed = 0
 
     def write(self, row: dict) -> None:
-        self._stream.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._stream.flush()
-        if self._durable:
-            os.fsync(self._stream.fileno())
+        try:
+            self._stream.write(json.dumps(row, ensure_ascii=False) + "\n")
+            self._stream.flush()
+            if self._durable:
+                os.fsync(self._stream.fileno())
+        except OSError as e:
+            if not self._durable:
+                raise  # stdout: a closed pipe is handled (quietly) by the CLI
+            raise LmcliError(f"cannot write {self._stream.name}: {e.strerror or e}") from None
         self.rows += 1
         self.failed += "error" in row
 
@@ -316,7 +321,10 @@ def read_finished(path: Path) -> dict[str, dict]:
     removed, by writing the rest to a temporary file and renaming it over the
     output, so that a crash during the tidy-up loses nothing.
     """
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise LmcliError(f"cannot read {path}: {e.strerror or e}") from None
     lines = data.split(b"\n")
     partial = lines.pop()  # b"" when the file ends with a newline, as complete files do
     kept: list[bytes] = []
@@ -644,8 +652,11 @@ def run_job(
     if output_path is None:
         stream, durable = (stdout or sys.stdout), False
     else:
-        mode = "a" if resume else "w"
-        stream, durable = open(output_path, mode, encoding="utf-8", newline="\n"), True
+        try:
+            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")
+        except OSError as e:
+            raise LmcliError(f"cannot write {output_path}: {e.strerror or e}") from None
+        durable = True
     writer = RowWriter(stream, durable)
     progress = JobProgress(0, enabled=False)
     try:
