@@ -210,6 +210,7 @@ def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
         data = Path(path).read_bytes()
     except OSError as e:
         raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
     rows = []
     for number, raw in enumerate(data.split(b"\n"), start=1):

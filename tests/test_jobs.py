@@ -205,7 +205,7 @@ def test_read_jsonl_rows_with_defaults_and_bad_rows(tmp_path):
 
 def test_read_text_rows_unescapes_newlines(tmp_path):
     path = tmp_path / "prompts.txt"
-    path.write_text("one\\ntwo\n\nback\\\\slash\\n\nплохо 🙂\r\n")
+    path.write_bytes("\ufeffone\\ntwo\n\nback\\\\slash\\n\nплохо 🙂\r\n".encode())
     rows = read_rows(path, GenerationSettings.from_flags())
     assert [(r.id, r.prompt) for r in rows] == [(1, "one\ntwo"), (3, "back\\slash\n"), (4, "плохо 🙂")]
     assert unescape_line(r"a\tb\\n") == r"a\tb\n"
