@@ -16,6 +16,7 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -84,24 +85,42 @@ def _one_gguf_parse_per_file():
         gguf.GGUFReader = real
 
 
-def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_tokens: int = 16) -> dict[str, Any]:
-    """transformers' own reading of `gguf_path`: {"config": dict, "logits": (1, T, vocab) float32, "greedy": ids}.
+# Five real prompts per model for the end-to-end greedy checks (32 new tokens each).
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+]
+GREEDY_TOKENS = 32
 
-    "greedy" is `generate(do_sample=False, max_new_tokens=greedy_tokens)` after the prompt (it may stop at EOS).
+
+def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: list[list[int]] = (),
+                           greedy_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
+    """transformers' own reading of `gguf_path` (`from_pretrained(dir, gguf_file=...)`, float32, CPU).
+
+    Returns {"config": dict, "logits": (1, T, vocab) float32 for `prompt_ids`, "greedy": [ids after each
+    of `greedy_prompts`]} where each continuation is `generate(do_sample=False, max_new_tokens=...)`.
+    Loading a GGUF takes transformers a minute or more here, so the result is kept on disk (JSON and
+    safetensors, nothing pickled) keyed by the file's fingerprint, the prompts and the library versions.
     """
     import transformers
+    from safetensors.torch import load_file, save_file
 
+    greedy_prompts = [list(p) for p in greedy_prompts]
     key = json.dumps({"file": default_model.gguf_fingerprint(gguf_path), "prompt": prompt_ids,
-                      "greedy": greedy_tokens, "transformers": transformers.__version__,
-                      "torch": torch.__version__.split("+")[0]}, sort_keys=True)
+                      "greedy_prompts": greedy_prompts, "greedy_tokens": greedy_tokens,
+                      "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]},
+                     sort_keys=True)
     stored = default_model.cache_dir() / "references" / (
-        f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
-    if stored.is_file():
-        try:
-            saved = torch.load(stored, weights_only=True)
-            return {"config": json.loads(saved["config"]), "logits": saved["logits"], "greedy": saved["greedy"]}
-        except Exception:  # a damaged file: compute it again
-            pass
+        f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    try:
+        saved = json.loads((stored / "reference.json").read_text())
+        logits = load_file(stored / "logits.safetensors")["logits"]
+        return {"config": saved["config"], "logits": logits, "greedy": saved["greedy"]}
+    except (OSError, ValueError, KeyError):
+        pass  # not computed yet, or damaged: compute it again
 
     with _one_gguf_parse_per_file():
         config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -109,16 +128,35 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_tokens
             gguf_path.parent, gguf_file=gguf_path.name, config=config, dtype=torch.float32,
             attn_implementation="eager")
     model.eval()
-    ids = torch.tensor([prompt_ids])
+    greedy = []
     with torch.no_grad():
-        logits = model(ids).logits.float()
-        generated = model.generate(ids, do_sample=False, max_new_tokens=greedy_tokens,
-                                   pad_token_id=config.pad_token_id)
-    result = {"config": config.to_dict(), "logits": logits, "greedy": generated[0, len(prompt_ids):].tolist()}
+        logits = model(torch.tensor([prompt_ids])).logits.float().contiguous()
+        for ids in greedy_prompts:
+            out = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=greedy_tokens,
+                                 pad_token_id=config.pad_token_id)
+            greedy.append(out[0, len(ids):].tolist())
+    result = {"config": json.loads(json.dumps(config.to_dict(), default=str)), "logits": logits, "greedy": greedy}
 
-    stored.parent.mkdir(parents=True, exist_ok=True)
     partial = stored.with_name(f".{stored.name}.{os.getpid()}")
-    torch.save({"config": json.dumps(result["config"], default=str), "logits": logits,
-                "greedy": torch.tensor(result["greedy"])}, partial)
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file({"logits": logits}, partial / "logits.safetensors")
+    (partial / "reference.json").write_text(json.dumps({"config": result["config"], "greedy": greedy}))
+    if stored.exists():
+        shutil.rmtree(stored, ignore_errors=True)
     os.replace(partial, stored)
     return result
+
+
+def encoded_text_prompts(gguf_path: Path) -> list[list[int]]:
+    """TEXT_PROMPTS as ids from lmcli's tokenizer for the file (equal to the reference's: test_tokenizer)."""
+    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.tokenizer import tokenizer_from_gguf
+
+    tokenizer = tokenizer_from_gguf(read_gguf_metadata(gguf_path))
+    return [tokenizer.encode(text) for text in TEXT_PROMPTS]
+
+
+def model_reference(name: str, gguf_path: Path) -> dict[str, Any]:
+    """The one transformers reference per real model that every real-model test shares."""
+    prompt = {"smollm2": SMOLLM2_PROMPT, "gemma": GEMMA_PROMPT}[name]
+    return transformers_reference(gguf_path, prompt, greedy_prompts=encoded_text_prompts(gguf_path))

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from real_models import GEMMA_PROMPT, SMOLLM2_PROMPT, gemma_gguf, smollm2_gguf, transformers_reference  # noqa: E402,F401
+from real_models import GEMMA_PROMPT, SMOLLM2_PROMPT, gemma_gguf, model_reference, smollm2_gguf  # noqa: E402,F401
 
 from lmcli.default_model import load_gguf_cached  # noqa: E402
 
@@ -51,7 +51,7 @@ def _transformers_model_from(checkpoint):
 
 def test_logits_equal_transformers_own_gguf_loading(model_case):
     name, path, checkpoint = model_case
-    reference = transformers_reference(path, PROMPTS[name])
+    reference = model_reference(name, path)
     model = _transformers_model_from(checkpoint)
     with torch.no_grad():
         logits = model(torch.tensor([PROMPTS[name]])).logits
@@ -62,7 +62,7 @@ def test_logits_equal_transformers_own_gguf_loading(model_case):
 def test_config_says_what_transformers_derives(model_case):
     name, path, checkpoint = model_case
     ours = transformers.AutoConfig.for_model(**checkpoint.hf_config).to_dict()
-    theirs = transformers_reference(path, PROMPTS[name])["config"]
+    theirs = model_reference(name, path)["config"]
     fields = SHARED_FIELDS + (GEMMA_FIELDS if name == "gemma" else [])
     for field in fields:
         assert ours.get(field) == theirs.get(field), (field, ours.get(field), theirs.get(field))
@@ -88,7 +88,7 @@ def test_convert_gguf_makes_a_directory_transformers_loads(smollm2_gguf, tmp_pat
     model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     with torch.no_grad():
         logits = model(torch.tensor([SMOLLM2_PROMPT])).logits
-    reference = transformers_reference(smollm2_gguf, SMOLLM2_PROMPT)
+    reference = model_reference("smollm2", smollm2_gguf)
     torch.testing.assert_close(logits, reference["logits"], atol=1e-4, rtol=0)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "The capital of France is Paris."

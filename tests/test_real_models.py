@@ -1,0 +1,57 @@
+"""End to end on the two real models: lmcli's greedy tokens equal transformers', token for token.
+
+The reference is transformers loading the same GGUF file (`from_pretrained(dir, gguf_file=...)`) in
+float32 on the CPU; see real_models.transformers_reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lmcli  # noqa: E402
+from real_models import GREEDY_TOKENS, TEXT_PROMPTS, encoded_text_prompts, gemma_gguf, model_reference, smollm2_gguf  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module", params=["smollm2", "gemma"])
+def real(request):
+    path = request.getfixturevalue(f"{request.param}_gguf")
+    model, tokenizer = lmcli.load(path, dtype="float32", device="cpu")
+    return request.param, path, model, tokenizer
+
+
+def test_greedy_generation_equals_transformers(real):
+    name, path, model, tokenizer = real
+    reference = model_reference(name, path)
+    prompts = encoded_text_prompts(path)
+    assert len(prompts) == len(TEXT_PROMPTS) == 5
+    for ids, expected in zip(prompts, reference["greedy"]):
+        out = model.generate(torch.tensor([ids]), GREEDY_TOKENS, False, eos_token_id=tokenizer.eos_token_ids)
+        ours = out[0, len(ids):].tolist()
+        # transformers stops at EOS without padding: compare up to its length, and our tail is padding.
+        assert ours[: len(expected)] == expected, (tokenizer.decode(ours), tokenizer.decode(expected))
+        assert len(expected) == GREEDY_TOKENS or ours[len(expected) - 1] in tokenizer.eos_token_ids
+
+
+def test_left_padded_batch_of_real_prompts_equals_each_alone(real):
+    _, path, model, tokenizer = real
+    prompts = encoded_text_prompts(path)[:3]
+    width = max(map(len, prompts))
+    x = torch.full((3, width), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        x[row, width - len(ids):] = torch.tensor(ids)
+        mask[row, width - len(ids):] = 1
+    batched = model.generate(x, 12, False, attention_mask=mask)
+    for row, ids in enumerate(prompts):
+        alone = model.generate(torch.tensor([ids]), 12, False)
+        assert batched[row, width:].tolist() == alone[0, len(ids):].tolist()
+
+
+def test_default_model_names_paris(smollm2_gguf):
+    model, tokenizer = lmcli.load()  # no checkpoint: the embedded SmolLM2
+    ids = tokenizer.encode("The capital of France is")
+    out = model.generate(torch.tensor([ids]), 16, False, eos_token_id=tokenizer.eos_token_ids)
+    assert "Paris" in tokenizer.decode(out[0, len(ids):])
