@@ -521,6 +521,29 @@ def info(
     Console().print(table)
 
 
+@app.command()
+def convert(
+    gguf_file: Annotated[Path, typer.Argument(metavar="GGUF", exists=True, dir_okay=False, show_default=False,
+                                              help="The .gguf file to convert.")],
+    out_dir: Annotated[Path, typer.Argument(metavar="OUT_DIR", show_default=False,
+                                            help="Where to write config.json, model.safetensors and the tokenizer.")],
+    dtype: DTypeOption = DType.auto,
+) -> None:
+    """Write a GGUF checkpoint as an HF-style directory (dequantised; loads in lmcli and transformers)."""
+    if gguf_file.suffix != ".gguf":
+        raise typer.BadParameter(f"{gguf_file} is not a .gguf file", param_hint="GGUF")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UsageError(f"{out_dir}: directory is not empty; choose a new OUT_DIR")
+    import torch
+
+    from lmcli.io.gguf import convert_gguf
+
+    torch_dtype = torch.float32 if dtype == DType.auto else getattr(torch, dtype.value)
+    written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
+    files = ", ".join(sorted(p.name for p in written.iterdir()))
+    typer.echo(f"wrote {written}: {files}", err=True)
+
+
 def _describe_tokenizer(tokenizer) -> str:
     if tokenizer is None:
         return "none (text cannot be encoded)"

@@ -55,3 +55,28 @@ def test_default_model_names_paris(smollm2_gguf):
     ids = tokenizer.encode("The capital of France is")
     out = model.generate(torch.tensor([ids]), 16, False, eos_token_id=tokenizer.eos_token_ids)
     assert "Paris" in tokenizer.decode(out[0, len(ids):])
+
+
+def test_convert_output_loads_in_lmcli_and_transformers_with_equal_logits(smollm2_gguf, tmp_path):
+    import transformers
+    from typer.testing import CliRunner
+
+    from lmcli.cli import app
+
+    out = tmp_path / "smollm2-hf"
+    result = CliRunner().invoke(app, ["convert", str(smollm2_gguf), str(out)])
+    assert result.exit_code == 0, result.output
+    ours, tokenizer = lmcli.load(out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode("Converted checkpoints keep their logits.")])
+    with torch.no_grad():
+        want = theirs(ids).logits
+    torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=0)
+    from_gguf, gguf_tokenizer = lmcli.load(smollm2_gguf)
+    torch.testing.assert_close(from_gguf(ids), want, atol=1e-4, rtol=0)
+    text = "Mixed: Привет 👋 code = f(x)\n\tend"
+    assert tokenizer.encode(text) == gguf_tokenizer.encode(text)
+    assert transformers.AutoTokenizer.from_pretrained(out)(text).input_ids == tokenizer.encode(text)
+    # A second convert into the same place refuses to overwrite it.
+    again = CliRunner().invoke(app, ["convert", str(smollm2_gguf), str(out)])
+    assert again.exit_code == 2 and "not empty" in again.output
