@@ -68,14 +68,13 @@ class BaseModel(nn.Module):
         self.eval()
 
     def use_fast_layout(self) -> None:
-        """Store projection weights column-major on CPU: same [out, in] shape and names, but
-        `F.linear` then reads an [in, out] matrix, which CPU BLAS multiplies faster (about 1.5-2x
-        for the matrix-vector products of decoding). On GPUs the layout is left as loaded."""
-        if self.device.type != "cpu":
-            return
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                module.weight.data = module.weight.data.t().contiguous().t()
+        """Store the output head column-major on CPU: same [vocab, hidden] shape, but `F.linear` then
+        reads a contiguous [hidden, vocab] matrix, which CPU BLAS streams about 1.8x faster for the
+        head's large matrix-vector product (measured: 6.5 -> 11.8 GB/s for SmolLM2's 49152 x 576).
+        The layers' smaller matrices gained nothing measurable, so they keep the loaded layout, as
+        does everything on GPUs."""
+        if self.device.type == "cpu":
+            self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
