@@ -9,9 +9,7 @@ import torch
 
 import lmcli
 from lmcli.generation.cache import KVCache, ModelCache, RollingKVCache
-from tiny import VOCAB, save_reference
-
-PAD = 0
+from tiny import PAD, VOCAB, left_pad, prompts, save_reference
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,21 +33,6 @@ def load(tmp_path_factory):
         return models[case]
 
     return loader
-
-
-def prompts(lengths, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def capture_caches(model, monkeypatch, transform=None):

@@ -17,9 +17,7 @@ import torch
 
 import lmcli
 from lmcli.generation.sampling import RepetitionPenalty, sample, sampling_transforms
-from tiny import CASES, VOCAB, save_reference
-
-PAD = 0
+from tiny import CASES, PAD, VOCAB, left_pad, prompts, save_reference
 MAX_POSITIONS = 64  # max_position_embeddings of every tiny model
 
 
@@ -56,21 +54,6 @@ def mistral(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(mistral):
     return mistral[1]
-
-
-def prompts(lengths, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def hf_greedy(reference, ids, max_new_tokens, eos_token_id=None):

@@ -26,6 +26,7 @@ from lmcli import default_model  # noqa: E402
 from lmcli.errors import CheckpointError, GGUFError, LmcliError  # noqa: E402
 from lmcli.io import gguf as lmgguf  # noqa: E402
 from lmcli.io.gguf import llama3_rope_scaling, read_gguf, read_gguf_metadata, write_hf_weights  # noqa: E402
+from tiny import random_reference  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.tensor([[1, 5, 9, 23, 7, 31, 2, 11, 40, 3]])  # longer than the windows below
@@ -210,15 +211,7 @@ def write_gguf_like_llama_cpp(path: Path, hf: dict, state: dict[str, torch.Tenso
 def hf_checkpoint(case: str, tmp_path: Path, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor], Path]:
     """A random transformers model saved as an HF directory: (config.json dict, checkpoint tensors, dir)."""
     model_type, fields, _ = CASES[case]
-    config = transformers.AutoConfig.for_model(model_type, **fields)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_" in name:
-                param.normal_(0.0, 0.3) if "gemma" in model_type else param.uniform_(0.7, 1.3)
-            else:
-                param.normal_(0.0, 0.2)
+    model = random_reference(model_type, fields, seed)
     out = tmp_path / f"hf-{case}"
     model.save_pretrained(out)
     hf = json.loads((out / "config.json").read_text())

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import lmcli
-from tiny import CASES, VOCAB, save_reference
+from tiny import CASES, VOCAB, left_pad, prompts, save_reference
 
 TOLERANCE = 1e-4
 
@@ -20,21 +20,6 @@ def pair(request, tmp_path_factory):
     reference = save_reference(request.param, directory)
     model, _ = lmcli.load(directory)
     return request.param, reference, model
-
-
-def prompts(lengths, seed=1):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
-
-
-def left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def test_is_a_base_model_in_eval_mode(pair):

@@ -42,24 +42,49 @@ CASES: dict[str, tuple[str, dict]] = {
 }
 
 
-def build_reference(case: str, seed: int = 0):
-    """A transformers model for `case`, with random weights scaled up so the logits are not flat."""
+PAD = 0
+
+
+def random_reference(model_type: str, fields: dict, seed: int = 0):
+    """A transformers model with random weights scaled up so the logits are not flat."""
     import transformers
 
-    model_type, fields = CASES[case]
     config = transformers.AutoConfig.for_model(model_type, **fields)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name or "ln_" in name:
+                # gemma norms are applied as (1 + w): keep w near 0; others near 1
                 param.normal_(0.0, 0.3) if "gemma" in model_type else param.uniform_(0.7, 1.3)
             else:
                 param.normal_(0.0, 0.2)
     return model.float().eval()
 
 
+def build_reference(case: str, seed: int = 0):
+    model_type, fields = CASES[case]
+    return random_reference(model_type, fields, seed)
+
+
 def save_reference(case: str, directory: Path, seed: int = 0, **save_kwargs):
     model = build_reference(case, seed)
     model.save_pretrained(directory, **save_kwargs)
     return model
+
+
+def prompts(lengths, seed: int = 1) -> list[torch.Tensor]:
+    """Random prompts of the given lengths (ids >= 3: clear of pad, bos and eos)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=generator) for n in lengths]
+
+
+def left_pad(rows, pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one left-padded batch: (ids [B, T], attention_mask [B, T])."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask
