@@ -34,10 +34,11 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, config_
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype is None or dtype == "auto":
-        # Half precision is slow and lossy on CPUs; on GPUs take the checkpoint's own dtype.
+        # float32 on CPUs (half precision measured slower there); on GPUs the checkpoint's own
+        # half-precision dtype, else bfloat16.
         if device.type == "cpu":
             return torch.float32
-        return DTYPES.get(str(config_dtype), torch.bfloat16) if config_dtype in ("bfloat16", "float16") else torch.bfloat16
+        return torch.float16 if config_dtype == "float16" else torch.bfloat16
     if dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: unknown dtype (use auto, float32, bfloat16 or float16)")
     return DTYPES[dtype]
@@ -86,13 +87,9 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
 
-        hf_config = None
-        gguf = None
-        # The GGUF's config decides the dtype only via `auto`; read it first, cheaply.
-        target_dtype = resolve_dtype(dtype, device)
-        gguf = load_gguf_cached(path, target_dtype)
-        hf_config = gguf.hf_config
-        config = registry.config_from_hf(hf_config, model)
+        # GGUF weights are quantised or float: `auto` is decided by the device alone.
+        gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
+        config = registry.config_from_hf(gguf.hf_config, model)
         tensors = gguf.tensors
         tokenizer = tokenizer_from_gguf(gguf.metadata)
         source = str(path)
