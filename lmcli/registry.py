@@ -41,6 +41,9 @@ FLAGSHIP_PRESETS = {
     "gemma3_text": "gemma-3-270m",
 }
 
+# GGUF files store mistral and mixtral weights under "llama": naming them explicitly is not a conflict.
+WIDENS = {"mistral": ("llama",), "mixtral": ("llama",)}
+
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 
 
@@ -69,6 +72,10 @@ def architecture_module(model_type: str) -> ModuleType:
     return importlib.import_module(f"lmcli.models.{arch}")
 
 
+def _compatible(model_type: str, wanted: str) -> bool:
+    return MODEL_TYPES[model_type] == MODEL_TYPES[wanted] or model_type in WIDENS.get(wanted, ())
+
+
 def model_type_for_name(name: str) -> str | None:
     """The HF model_type a user-typed `--model` name stands for (architecture, HF type or preset)."""
     if name in MODEL_TYPES:
@@ -87,11 +94,13 @@ def config_from_hf(hf: dict[str, Any], model: str | None = None):
                 f"unknown model '{model}' (architectures: {', '.join(ARCHITECTURES)}; "
                 f"presets: {', '.join(list_presets())})"
             )
-        if model_type in MODEL_TYPES and MODEL_TYPES[model_type] != MODEL_TYPES[wanted]:
+        if model_type in MODEL_TYPES and not _compatible(model_type, wanted):
             raise ConfigError(
-                f"--model {model} is a {MODEL_TYPES[wanted]} model but the checkpoint's config.json "
+                f"--model {model} is a {MODEL_TYPES[wanted]} model but the checkpoint's config "
                 f"says model_type '{model_type}'"
             )
+        if model_type in WIDENS.get(wanted, ()):
+            model_type = wanted  # e.g. a mistral GGUF, which llama.cpp files under "llama"
         if model_type not in MODEL_TYPES:
             model_type = wanted  # an unusual model_type, named explicitly by the user
     if model_type is None:

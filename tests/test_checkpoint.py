@@ -96,8 +96,31 @@ def test_model_name_supplies_architecture_for_unusual_model_type(llama_dir):
 
 
 def test_model_name_disagreeing_with_config_is_an_error(llama_dir):
-    with pytest.raises(ConfigError, match="--model gpt2 is a gpt2 model but the checkpoint's config.json says model_type 'llama'"):
+    with pytest.raises(ConfigError, match="--model gpt2 is a gpt2 model but the checkpoint's config says model_type 'llama'"):
         lmcli.load(llama_dir, model="gpt2")
+
+
+def test_naming_mistral_for_a_llama_checkpoint_is_allowed(llama_dir):
+    """llama.cpp files mistral weights under "llama"; --model mistral must be able to say what they are."""
+    model, _ = lmcli.load(llama_dir, model="mistral")
+    assert model.config.architecture == "mistral"
+    with pytest.raises(ConfigError, match="--model mixtral is a mixtral model"):
+        lmcli.load(tiny_dir("qwen2", llama_dir.parent / "qwen"), model="mixtral")
+
+
+def test_model_without_checkpoint_needs_one():
+    with pytest.raises(UsageError, match="--model mistral needs --checkpoint"):
+        lmcli.load(model="mistral")
+
+
+def test_mixtral_config_without_experts_is_a_config_error(llama_dir):
+    with pytest.raises(ConfigError, match="missing field 'num_local_experts'"):
+        lmcli.load(llama_dir, model="mixtral")
+
+
+def tiny_dir(case, directory):
+    save_reference(case, directory)
+    return directory
 
 
 def test_unknown_model_name(llama_dir):
