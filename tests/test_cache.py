@@ -12,12 +12,7 @@ from lmcli.generation.cache import KVCache, ModelCache, RollingKVCache
 from tiny import PAD, VOCAB, left_pad, prompts, save_reference
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

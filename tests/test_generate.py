@@ -21,13 +21,7 @@ from tiny import CASES, PAD, VOCAB, left_pad, prompts, save_reference
 MAX_POSITIONS = 64  # max_position_embeddings of every tiny model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny models are all per-op overhead; on a busy 2-core machine threads only slow them down."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))

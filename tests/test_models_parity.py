@@ -11,6 +11,7 @@ import lmcli
 from tiny import CASES, VOCAB, left_pad, prompts, save_reference
 
 TOLERANCE = 1e-4
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
