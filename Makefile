@@ -25,7 +25,9 @@ install-test: install
 
 demo: install
 	$(PYTHON) -m lmcli generate --greedy -n 40 "The capital of France is"
+	@echo
 	$(PYTHON) -m lmcli generate --chat --seed 0 -n 60 "Write a haiku about the sea."
+	@echo
 
 test: install-test
 	$(PYTHON) -m pytest -q
