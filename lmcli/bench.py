@@ -82,8 +82,8 @@ def main(checkpoint: str | None = None, model: str | None = None, device: str = 
     with torch.inference_mode():
         results["lmcli"] = _measure(
             lambda n: ours.generate(prompt, n, False), max_new_tokens, batch_size, prompt_tokens, repeats)
-        del ours
-        note = "skipped (--no-reference)" if not reference else None
+        ours = None  # free its memory before the reference model loads
+        note = "skipped (reference=False)" if not reference else None
         if reference:
             ref, note = _reference_model(path, torch_dtype, torch_device)
             if ref is not None:

@@ -160,6 +160,13 @@ def common_decoder_fields(hf: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **token_and_source_fields(hf),
+    )
+
+
+def token_and_source_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Special token ids, the saved dtype and the raw dict: named alike in every architecture's config."""
+    return dict(
         bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"),
         pad_token_id=hf.get("pad_token_id"),

@@ -117,16 +117,6 @@ def tiny_spm_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama-spm"), seed=1, tokenizer="sentencepiece")
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """Tiny models run far faster on one thread, and much more steadily on a busy machine."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def subprocess_env(**extra: str) -> dict:
     """The environment for `python -m lmcli` subprocesses: this checkout first, torch on one thread."""

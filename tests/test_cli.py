@@ -22,7 +22,6 @@ from typer.testing import CliRunner
 
 from cli_fixtures import (  # noqa: F401 (fixtures)
     REPO,
-    one_torch_thread,
     run_lmcli,
     subprocess_env,
     tiny_checkpoint,
@@ -30,7 +29,7 @@ from cli_fixtures import (  # noqa: F401 (fixtures)
 )
 from lmcli.cli import app
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_thread")
 runner = CliRunner()
 
 

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from lmcli.config import ModelConfig
+from lmcli.config import ModelConfig, token_and_source_fields
 
 # Buffers real GPT-2 checkpoints carry that are not parameters (the causal mask).
 IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
@@ -45,11 +45,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
         hidden_act=hf.get("activation_function", "gelu_new"),
         position_embedding="learned",
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        bos_token_id=hf.get("bos_token_id"),
-        eos_token_id=hf.get("eos_token_id"),
-        pad_token_id=hf.get("pad_token_id"),
-        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-        hf_config=dict(hf),
+        **token_and_source_fields(hf),
     )
     fields.update(overrides)
     return ModelConfig(**fields)
