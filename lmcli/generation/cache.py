@@ -21,11 +21,14 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, nkv, L, hd)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
-        """Write k, v [B, nkv, T, hd] at `slots` [T]; return keys, values, key slots up to the last one."""
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, end: int | None = None):
+        """Write k, v [B, nkv, T, hd] at `slots` [T]; return keys, values, key slots up to the last one.
+
+        `end` (the last slot + 1) may be passed by callers that know it, to spare a device sync."""
         self.keys.index_copy_(2, slots, k.to(self.keys.dtype))
         self.values.index_copy_(2, slots, v.to(self.values.dtype))
-        end = int(slots[-1]) + 1
+        if end is None:
+            end = int(slots[-1]) + 1
         key_slots = torch.arange(end, device=slots.device)
         return self.keys[:, :, :end].to(k.dtype), self.values[:, :, :end].to(v.dtype), key_slots
 
@@ -44,7 +47,7 @@ class RollingKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = torch.full((window,), -1, dtype=torch.long, device=device)  # -1: empty
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, end: int | None = None):
         if slots.numel() == 1:
             # One new token: it only needs the window ending at itself, which the ring holds after writing.
             self._write(k, v, slots)

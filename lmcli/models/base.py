@@ -106,7 +106,8 @@ class BaseModel(nn.Module):
             x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
-        inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype))
+        slot_end = int(query_slots[-1]) + 1 if cache is not None else None  # one host sync per call
+        inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:

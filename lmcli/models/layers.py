@@ -98,6 +98,7 @@ class AttentionInputs:
     query_slots: torch.Tensor  # [T] long: slot of each query
     slot_is_token: torch.Tensor  # [B, S_total] bool: False where the slot holds a pad
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, 1, T, hd]
+    slot_end: int | None = None  # last query slot + 1, known on the host (no device sync per layer)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)  # layer type -> [B, 1, T, S], filled lazily
 
 
@@ -137,7 +138,7 @@ class Attention(nn.Module):
         if cache is None:
             key_slots = inputs.query_slots
         else:
-            k, v, key_slots = cache.update(k, v, inputs.query_slots)  # (B, nkv, S, hd), [S]
+            k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
         # Layers of one type share their key slots, so their mask is built once per forward.
         mask = inputs.masks.get(self.layer_type)
         if mask is None:
