@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lmcli.config import ModelConfig
+from lmcli.config import SLIDING, ModelConfig
 from lmcli.models.layers import MLP, Attention, AttentionInputs, SparseMoE, make_norm, rope_cos_sin, rope_inverse_frequencies
 
 
@@ -124,7 +124,7 @@ class BaseModel(nn.Module):
             return {}
         tables = {}
         for layer_type in set(config.layer_types):
-            rope = config.rope_local if (layer_type != "full_attention" and config.rope_local) else config.rope
+            rope = config.rope_local if (layer_type == SLIDING and config.rope_local) else config.rope
             key = f"{layer_type}:{positions.device}"
             if key not in self._inverse_frequencies:
                 inv = rope_inverse_frequencies(rope, config.head_dim, config.max_position_embeddings)
