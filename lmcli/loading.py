@@ -82,7 +82,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
-        if model is not None and model not in DEFAULT_MODEL_NAMES:
+        if model is not None and registry.known_model_type(model) and model not in DEFAULT_MODEL_NAMES:
             raise UsageError(f"--model {model} needs --checkpoint with its weights (without one, lmcli runs "
                              "the embedded SmolLM2-135M-Instruct)")
 

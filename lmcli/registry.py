@@ -84,16 +84,22 @@ def model_type_for_name(name: str) -> str | None:
     return None if config is None else config.get("model_type")
 
 
+def known_model_type(name: str) -> str:
+    """The HF model_type of a user-typed `--model` name, or a ConfigError listing the known names."""
+    model_type = model_type_for_name(name)
+    if model_type is None:
+        raise ConfigError(
+            f"unknown model '{name}' (architectures: {', '.join(ARCHITECTURES)}; "
+            f"presets: {', '.join(list_presets())})"
+        )
+    return model_type
+
+
 def config_from_hf(hf: dict[str, Any], model: str | None = None):
     """ModelConfig from an HF config dict; `model` may name the architecture explicitly."""
     model_type = hf.get("model_type")
     if model is not None:
-        wanted = model_type_for_name(model)
-        if wanted is None:
-            raise ConfigError(
-                f"unknown model '{model}' (architectures: {', '.join(ARCHITECTURES)}; "
-                f"presets: {', '.join(list_presets())})"
-            )
+        wanted = known_model_type(model)
         if model_type in MODEL_TYPES and not _compatible(model_type, wanted):
             raise ConfigError(
                 f"--model {model} is a {MODEL_TYPES[wanted]} model but the checkpoint's config "

@@ -111,6 +111,8 @@ def test_naming_mistral_for_a_llama_checkpoint_is_allowed(llama_dir):
 def test_model_without_checkpoint_needs_one():
     with pytest.raises(UsageError, match="--model mistral needs --checkpoint"):
         lmcli.load(model="mistral")
+    with pytest.raises(ConfigError, match="unknown model 'foo'"):
+        lmcli.load(model="foo")
 
 
 def test_mixtral_config_without_experts_is_a_config_error(llama_dir):
