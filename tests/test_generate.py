@@ -248,6 +248,24 @@ def test_ignore_output_returns_none(model):
     assert len(steps) == 4
 
 
+@pytest.mark.parametrize("prompt_len", [5, MAX_POSITIONS + 9])
+def test_ignore_output_keeps_a_bounded_history_and_streams_the_same_tokens(model, prompt_len):
+    """A streaming consumer's run holds at most what the model can still see (plus a window of room),
+    however long it goes, and streams exactly the tokens of an ordinary run, sampled ones included."""
+    from lmcli.generation.loop import history_capacity
+
+    n = 5 * MAX_POSITIONS
+    assert history_capacity(prompt_len, n, MAX_POSITIONS, trim=True) <= max(prompt_len, MAX_POSITIONS) + MAX_POSITIONS
+    assert history_capacity(prompt_len, n, MAX_POSITIONS, trim=False) == prompt_len + n
+    ids, mask = left_pad(prompts([prompt_len, prompt_len - 3], seed=9))
+    streamed = []
+    kwargs = dict(do_sample=True, temperature=0.9, attention_mask=mask, seed=[3, 4])
+    assert model.generate(ids, n, ignore_output=True, on_token=lambda e: streamed.append(e.token_id.clone()),
+                          **kwargs) is None
+    full = model.generate(ids, n, **kwargs)
+    assert torch.equal(torch.stack(streamed, dim=1), full[:, ids.shape[1]:])
+
+
 # --- greedy --------------------------------------------------------------------------------------
 
 

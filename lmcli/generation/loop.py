@@ -56,6 +56,14 @@ def _eos_ids(eos_token_id: Any) -> list[int]:
     return [int(eos_token_id)]
 
 
+def history_capacity(prompt_len: int, max_new_tokens: int, max_positions: int, trim: bool) -> int:
+    """Columns of token history to allocate. All of them normally; with `trim` (ignore_output and no
+    processors, which would need the whole text) only what the model can still see, plus a window of
+    room so the history is shifted once every max_positions steps rather than at every step."""
+    total = prompt_len + max_new_tokens
+    return min(total, max(prompt_len, max_positions) + max_positions) if trim else total
+
+
 def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
              attention_mask: torch.Tensor | None = None, eos_token_id=None, pad_token_id: int | None = None,
@@ -72,9 +80,10 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     batch, prompt_len = x.shape
     total = prompt_len + max_new_tokens
     max_positions = model.config.max_position_embeddings
-    ids = torch.full((batch, total), pad_token_id, dtype=torch.long, device=device)  # (B, L)
+    capacity = history_capacity(prompt_len, max_new_tokens, max_positions, ignore_output and not processors)
+    ids = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=device)  # (B, L)
     ids[:, :prompt_len] = x.to(device)
-    slot_is_token = torch.ones((batch, total), dtype=torch.bool, device=device)  # (B, L)
+    slot_is_token = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # (B, L)
     slot_is_token[:, :prompt_len] = mask.to(device)
     # Processors see each row's pads replaced by its first token, which is already in the text, so
     # a row's set of seen tokens (e.g. for a repetition penalty) is the same alone or in a batch.
@@ -122,6 +131,12 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
             next_token = scores.argmax(dim=-1)  # (B,)
 
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
+        if length == capacity:
+            # Only with a trimmed history (ignore_output), and only past max_position_embeddings,
+            # where the cache is no longer used and slots are window-relative: keep the last window.
+            ids[:, :max_positions] = ids[:, length - max_positions:length].clone()
+            slot_is_token[:, :max_positions] = slot_is_token[:, length - max_positions:length].clone()
+            length = max_positions
         ids[:, length] = next_token
         length += 1
         lengths += (~finished).long()
