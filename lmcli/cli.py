@@ -12,7 +12,7 @@ import enum
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from typer.core import TyperGroup
@@ -133,14 +133,14 @@ OUTPUT_PANEL = "Output"
 JOBS_PANEL = "Batch jobs"
 
 CheckpointOption = Annotated[
-    Optional[Path],
+    Path | None,
     typer.Option(
         "--checkpoint", "-c", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
         help="An HF directory, a .safetensors file or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
     ),
 ]
 ModelOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--model", "-m", metavar="NAME", show_default=False, rich_help_panel=MODEL_PANEL,
         help="Architecture or preset name (see 'lmcli models'); optional when the checkpoint has config.json.",
@@ -188,7 +188,7 @@ class _nothing:
 @app.command()
 def generate(
     prompt: Annotated[
-        Optional[str],
+        str | None,
         typer.Argument(
             metavar="PROMPT", show_default=False,
             help="The prompt. '-' (or no PROMPT with stdin piped) reads all of stdin as the prompt.",
@@ -202,32 +202,32 @@ def generate(
         int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
     ] = DEFAULT_MAX_NEW_TOKENS,
     temperature: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(
             show_default=False, rich_help_panel=DECODING_PANEL,
             help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
         ),
     ] = None,
     top_k: Annotated[
-        Optional[int], typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
+        int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
     ] = None,
     top_p: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
     ] = None,
     repetition_penalty: Annotated[
-        Optional[float],
+        float | None,
         typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
     ] = None,
     greedy: Annotated[
         bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
     ] = False,
     seed: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
     ] = None,
     stop: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
     ] = None,
     ignore_eos: Annotated[
@@ -237,14 +237,14 @@ def generate(
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
     ] = False,
     system: Annotated[
-        Optional[str], typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
+        str | None, typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
     ] = None,
     output_format: Annotated[
-        Optional[OutputFormat],
+        OutputFormat | None,
         typer.Option("--format", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
     ] = None,
     logprobs: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(
             metavar="K", show_default=False, rich_help_panel=OUTPUT_PANEL,
             help="In JSON output, each token's log-probability and the top K alternatives.",
@@ -254,18 +254,18 @@ def generate(
         bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).")
     ] = False,
     input_path: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(
             "--input", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL,
             help="Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
         ),
     ] = None,
     output_path: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option("--output", "-o", metavar="FILE", dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL, help="Write the job's JSONL rows here (default: stdout), with a progress bar."),
     ] = None,
     batch_size: Annotated[
-        Optional[int],
+        int | None,
         typer.Option(min=1, show_default=False, rich_help_panel=JOBS_PANEL, help="Rows per batch (default: 8 on CPU, 32 on GPU)."),
     ] = None,
     resume: Annotated[
@@ -475,7 +475,7 @@ def _count(value) -> str:
 @app.command()
 def info(
     checkpoint: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
     ] = None,
     model: ModelOption = None,
@@ -585,10 +585,10 @@ def bench(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     max_new_tokens: Annotated[
-        Optional[int], typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
+        int | None, typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
     ] = None,
-    batch_size: Annotated[Optional[int], typer.Option(min=1, show_default=False, help="Rows per batch.")] = None,
-    prompt_tokens: Annotated[Optional[int], typer.Option(min=1, show_default=False, help="Prompt length in tokens.")] = None,
+    batch_size: Annotated[int | None, typer.Option(min=1, show_default=False, help="Rows per batch.")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option(min=1, show_default=False, help="Prompt length in tokens.")] = None,
 ) -> None:
     """Benchmark generation speed (see lmcli/bench.py)."""
     from lmcli import bench as bench_module

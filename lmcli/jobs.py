@@ -39,9 +39,10 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 
@@ -92,7 +93,7 @@ class GenerationSettings:
         return self.temperature == 0
 
     @classmethod
-    def from_flags(cls, *, greedy: bool = False, temperature: float | None = None, **values) -> "GenerationSettings":
+    def from_flags(cls, *, greedy: bool = False, temperature: float | None = None, **values) -> GenerationSettings:
         """Settings from command-line flags; raises UsageError naming the flag."""
         if greedy and temperature not in (None, 0):
             raise UsageError(f"--greedy and --temperature {temperature:g} contradict each other; pick one")
@@ -105,7 +106,7 @@ class GenerationSettings:
         settings.check(lambda name: FLAG_NAMES[name], UsageError)
         return settings
 
-    def for_row(self, row: dict) -> "GenerationSettings":
+    def for_row(self, row: dict) -> GenerationSettings:
         """These settings with a JSONL row's overrides; raises RowError naming the field."""
         changes: dict[str, Any] = {}
         for name in ("seed", "max_new_tokens", "top_k"):

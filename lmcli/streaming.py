@@ -17,7 +17,8 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import sys
-from typing import IO, Iterable
+from collections.abc import Iterable
+from typing import IO
 
 
 class StopMatcher:

@@ -19,9 +19,10 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

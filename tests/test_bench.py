@@ -1,7 +1,8 @@
 """`lmcli bench` runs both implementations side by side (a smoke test: no timing assertions)."""
 
-from lmcli import bench
 from tiny import save_reference
+
+from lmcli import bench
 
 
 def test_bench_compares_with_transformers(tmp_path, capsys):

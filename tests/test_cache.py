@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import VOCAB, left_pad, prompts, save_reference
 
 import lmcli
 from lmcli.generation.cache import KVCache, ModelCache, RollingKVCache
-from tiny import PAD, VOCAB, left_pad, prompts, save_reference
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

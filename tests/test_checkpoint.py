@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny import save_reference
 
 import lmcli
 from lmcli import registry
 from lmcli.errors import CheckpointError, ConfigError, UsageError
-from tiny import save_reference
 
 
 @pytest.fixture

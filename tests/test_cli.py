@@ -18,8 +18,6 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
-
 from cli_fixtures import (  # noqa: F401 (fixtures)
     REPO,
     run_lmcli,
@@ -27,6 +25,8 @@ from cli_fixtures import (  # noqa: F401 (fixtures)
     tiny_checkpoint,
     tiny_spm_checkpoint,
 )
+from typer.testing import CliRunner
+
 from lmcli.cli import app
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import CASES, PAD, VOCAB, left_pad, prompts, save_reference
 
 import lmcli
 from lmcli.generation.sampling import RepetitionPenalty, sample, sampling_transforms
-from tiny import CASES, PAD, VOCAB, left_pad, prompts, save_reference
+
 MAX_POSITIONS = 64  # max_position_embeddings of every tiny model
 
 

@@ -21,12 +21,12 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
+from tiny import random_reference  # noqa: E402
 
 from lmcli import default_model  # noqa: E402
 from lmcli.errors import CheckpointError, GGUFError, LmcliError  # noqa: E402
 from lmcli.io import gguf as lmgguf  # noqa: E402
 from lmcli.io.gguf import llama3_rope_scaling, read_gguf, read_gguf_metadata, write_hf_weights  # noqa: E402
-from tiny import random_reference  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.tensor([[1, 5, 9, 23, 7, 31, 2, 11, 40, 3]])  # longer than the windows below

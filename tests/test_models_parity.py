@@ -6,9 +6,9 @@ import json
 
 import pytest
 import torch
+from tiny import CASES, VOCAB, left_pad, prompts, save_reference
 
 import lmcli
-from tiny import CASES, VOCAB, left_pad, prompts, save_reference
 
 TOLERANCE = 1e-4
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,8 +11,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lmcli  # noqa: E402
-from real_models import GREEDY_TOKENS, TEXT_PROMPTS, encoded_text_prompts, gemma_gguf, model_reference, smollm2_gguf  # noqa: E402,F401
+from real_models import GREEDY_TOKENS, TEXT_PROMPTS, encoded_text_prompts, gemma_gguf, model_reference, smollm2_gguf  # noqa: F401
+
+import lmcli
 
 
 @pytest.fixture(scope="module", params=["smollm2", "gemma"])

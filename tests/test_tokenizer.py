@@ -13,15 +13,27 @@ import random
 import time
 
 import pytest
-
 from fixtures_tokenizers import (
-    CHAT_TEMPLATE, GEMMA_STYLE_TEMPLATE, MIXED_TEXTS, build_bpe_dir, build_llama_json_dir, build_spm_dir,
-    byte_level_gguf, read_gguf_metadata, sentencepiece_gguf,
+    CHAT_TEMPLATE,
+    GEMMA_STYLE_TEMPLATE,
+    MIXED_TEXTS,
+    build_bpe_dir,
+    build_llama_json_dir,
+    build_spm_dir,
+    byte_level_gguf,
+    read_gguf_metadata,
+    sentencepiece_gguf,
 )
-from lmcli.errors import TokenizerError
 from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures: install the packages or skip with why)
+
+from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer import (
-    StreamDecoder, Tokenizer, implied_merges, load_tokenizer, read_spm_pieces, tokenizer_from_gguf,
+    StreamDecoder,
+    Tokenizer,
+    implied_merges,
+    load_tokenizer,
+    read_spm_pieces,
+    tokenizer_from_gguf,
 )
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference (a test dependency)")
@@ -272,7 +284,8 @@ def test_chat_template_helpers():
 
 
 def load_tokenizer_from_template(template: str) -> Tokenizer:
-    from tokenizers import Tokenizer as Backend, models
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models
 
     return Tokenizer(Backend(models.BPE()), chat_template=template)
 

@@ -7,7 +7,7 @@ Both return the keys a query chunk may need plus each key's slot; the attention 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -79,7 +79,7 @@ class ModelCache:
         self.layers = layers
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_length: int) -> "ModelCache":
+    def for_model(cls, model, batch_size: int, max_length: int) -> ModelCache:
         config = model.config
         layers = []
         for layer_type in config.layer_types:
@@ -92,7 +92,7 @@ class ModelCache:
                                       model.dtype, model.device))
         return cls(layers)
 
-    def traverse(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ModelCache":
+    def traverse(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelCache:
         for layer in self.layers:
             layer.traverse(fn)
         return self

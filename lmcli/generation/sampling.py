@@ -7,7 +7,7 @@ its argument once, in __init__, with a message that says what to pass instead.
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

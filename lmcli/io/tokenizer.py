@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Iterable
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend

@@ -7,13 +7,22 @@ else — embeddings, the layer stack, the head, caching and generation — lives
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
-from lmcli.models.layers import MLP, Attention, AttentionInputs, SparseMoE, make_norm, rope_cos_sin, rope_inverse_frequencies
+from lmcli.models.layers import (
+    MLP,
+    Attention,
+    AttentionInputs,
+    SparseMoE,
+    make_norm,
+    rope_cos_sin,
+    rope_inverse_frequencies,
+)
 
 
 class DecoderLayer(nn.Module):
