@@ -70,13 +70,18 @@ def _uninitialised_parameters():
             cls.reset_parameters = reset
 
 
-def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None):
-    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None)."""
+def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
+         tp: int | None = None):
+    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+
+    `tp=N` in a process group of N ranks (torchrun) loads this rank's tensor-parallel shard; see
+    lmcli.distributed."""
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
 
     device = resolve_device(device)
+    parallel = None
     tokenizer = None
     origin: dict[str, Path] = {}
     if checkpoint is None:
@@ -92,6 +97,10 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         raise CheckpointError(f"{path}: no such file or directory")
 
     if path.suffix == ".gguf":
+        if tp is not None and tp > 1:
+            from lmcli.distributed import refuse_gguf
+
+            raise refuse_gguf(tp, path)
         from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
 
@@ -130,7 +139,15 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
             raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
         config = registry.config_from_hf(hf_config, model)
         target_dtype = resolve_dtype(dtype, device, config.torch_dtype)
-        tensors, origin = read_safetensors(files, target_dtype)
+        if tp is not None:
+            from lmcli import distributed
+
+            parallel = distributed.parallel_for(tp, config)  # checks the split before reading weights
+        if parallel is not None:
+            device = distributed.rank_device(device)
+            tensors, origin = distributed.lazy_safetensors(files)  # read per rank after the renames
+        else:
+            tensors, origin = read_safetensors(files, target_dtype)
         source = str(files[0]) if len(files) == 1 else str(path)
         from lmcli.io.tokenizer import load_tokenizer
 
@@ -139,8 +156,10 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):
         tensors = module.convert_checkpoint(tensors, config)
+    if parallel is not None:
+        tensors = parallel.take_shards(tensors, target_dtype)
     with _uninitialised_parameters():
-        built = BaseModel(config)
+        built = BaseModel(config) if parallel is None else parallel.build_model()
     tensors = {name: t.to(device=device) for name, t in tensors.items()}
     fill_model(built, tensors, source, origin)
     built.use_fast_layout()

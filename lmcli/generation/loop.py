@@ -92,6 +92,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
     generators = row_generators(seed, batch, device) if do_sample else None
 
+    parallel = getattr(model, "tensor_parallel", None)  # see lmcli.distributed
     cache = model.init_cache(batch, min(total, max_positions)) if use_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
@@ -132,6 +133,8 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
             next_token = scores.argmax(dim=-1)  # (B,)
 
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
+        if parallel is not None:
+            next_token = parallel.share_tokens(next_token)  # tensor parallel: every rank takes rank 0's
         if length == capacity:
             # Only with a trimmed history (ignore_output), and only past max_position_embeddings,
             # where the cache is no longer used and slots are window-relative: keep the last window.

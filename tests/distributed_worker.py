@@ -1,0 +1,68 @@
+"""Run by tests/test_distributed.py, alone or under torchrun: greedy generation for each checkpoint
+of a spec, through `lmcli.load(..., tp=world size)` when started by torchrun.
+
+    python tests/distributed_worker.py SPEC.json RESULT.json
+    python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py SPEC.json RESULT.json
+
+SPEC: {"checkpoints": [paths], "prompts": [[ids], ...], "max_new_tokens": n}. Rank 0 writes RESULT:
+{"world_size": N, "runs": [{"checkpoint", "tokens": [[ids]...], "peak_mib": [per rank]}]}, where
+peak_mib is the rise of the process's peak resident memory while loading and running that checkpoint
+(the first checkpoint's figure is the meaningful one: a peak only ever rises).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+
+import torch
+import torch.distributed as dist
+
+import lmcli
+from lmcli import distributed
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return ids, mask
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    tp = None
+    if distributed.launched_by_torchrun():
+        distributed.start("cpu")
+        tp = distributed.world_size()
+    runs = []
+    for checkpoint in spec["checkpoints"]:
+        before = peak_mib()
+        model, _ = lmcli.load(checkpoint, device="cpu", dtype="float32", tp=tp)
+        ids, mask = left_pad(spec["prompts"], pad=0)
+        out = model.generate(ids, spec["max_new_tokens"], do_sample=False, attention_mask=mask,
+                             eos_token_id=spec.get("eos_token_id"), pad_token_id=0)
+        rise = peak_mib() - before
+        del model
+        peaks = [rise]
+        if tp is not None:
+            gathered: list = [None] * distributed.world_size()
+            dist.all_gather_object(gathered, rise)
+            peaks = gathered
+        runs.append({"checkpoint": checkpoint, "tokens": out[:, ids.shape[1]:].tolist(), "peak_mib": peaks})
+    if distributed.is_output_rank():
+        with open(result_path, "w") as handle:
+            json.dump({"world_size": distributed.world_size(), "runs": runs}, handle)
+    distributed.finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
