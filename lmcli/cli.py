@@ -9,8 +9,10 @@ Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -152,7 +154,8 @@ DTypeOption = Annotated[
 ]
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
+def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
+          tp: int | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -166,6 +169,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             model=model,
             dtype=dtype.value,
             device=device.value,
+            tp=tp,
         )
     if tokenizer is None and need_tokenizer:
         raise TokenizerError(
@@ -274,6 +278,13 @@ def generate(
     overwrite: Annotated[
         bool, typer.Option("--overwrite", metavar="", rich_help_panel=JOBS_PANEL, help="Replace an existing --output file.")
     ] = False,
+    tp: Annotated[
+        int | None,
+        typer.Option(
+            "--tp", metavar="N", min=1, show_default=False, rich_help_panel=MODEL_PANEL,
+            help="Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
+        ),
+    ] = None,
 ) -> None:
     """Generate a completion for PROMPT, or for every row of --input.
 
@@ -307,16 +318,40 @@ def generate(
     )
 
     def load():
-        return _load(checkpoint, model, device, dtype)
+        return _load(checkpoint, model, device, dtype, tp=tp)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
-    if input_path is not None:
-        _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
+    with _process_group(tp, input_path, device):
+        if input_path is not None:
+            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
+            return
+        text = _read_prompt(prompt)
+        _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
+
+
+@contextmanager
+def _process_group(tp: int | None, input_path: Path | None, device: Device):
+    """Under torchrun: join the process group for the run; only rank 0 writes to stdout."""
+    from lmcli import distributed
+
+    if not distributed.launched_by_torchrun():
+        if tp is not None and tp > 1:
+            raise UsageError(f"--tp {tp} needs {tp} processes started by torchrun "
+                             f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
+        yield
         return
-    text = _read_prompt(prompt)
-    _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
+    distributed.start(device.value)
+    try:
+        if tp is None and input_path is None and distributed.world_size() > 1:
+            raise UsageError(f"torchrun started {distributed.world_size()} processes: add --tp "
+                             f"{distributed.world_size()} (tensor parallel) or --input FILE (a data-parallel job)")
+        if not distributed.is_output_rank():
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+        yield
+    finally:
+        distributed.finish()
 
 
 def _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format) -> None:

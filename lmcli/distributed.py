@@ -195,6 +195,20 @@ class VocabParallelEmbedding(nn.Embedding):
         return out
 
 
+def check_divides(config, tp: int) -> None:
+    """Heads and MLP units must split evenly over the ranks (the vocabulary need not)."""
+    sizes = {"query heads": config.num_attention_heads, "key/value heads": config.num_key_value_heads,
+             "MLP hidden units": config.intermediate_size}
+    uneven = [f"{count} {what}" for what, count in sizes.items() if count % tp]
+    if uneven:
+        divisors = [n for n in range(1, max(sizes.values()) + 1) if all(c % n == 0 for c in sizes.values())]
+        raise UsageError(
+            f"--tp {tp}: the model's {' and '.join(uneven)} do not divide among {tp} ranks "
+            f"(it has {', '.join(f'{c} {w}' for w, c in sizes.items())}; --tp may be "
+            f"{', '.join(map(str, divisors))})"
+        )
+
+
 class TensorParallel:
     """How one model is split over the `size` ranks of the default process group."""
 
@@ -211,22 +225,13 @@ class TensorParallel:
     def for_config(cls, config, tp: int) -> TensorParallel:
         """Check that the process group has `tp` ranks and the model divides among them, before any
         weight is read."""
+        check_divides(config, tp)
         if not dist.is_initialized():
             raise UsageError(f"--tp {tp} needs {tp} processes started by torchrun "
                              f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
         if dist.get_world_size() != tp:
             raise UsageError(f"--tp {tp} but torchrun started {dist.get_world_size()} processes "
                              f"(use --nproc-per-node {tp}, or --tp {dist.get_world_size()})")
-        sizes = {"query heads": config.num_attention_heads, "key/value heads": config.num_key_value_heads,
-                 "MLP hidden units": config.intermediate_size}
-        uneven = [f"{count} {what}" for what, count in sizes.items() if count % tp]
-        if uneven:
-            divisors = [n for n in range(1, max(sizes.values()) + 1) if all(c % n == 0 for c in sizes.values())]
-            raise UsageError(
-                f"--tp {tp}: the model's {', '.join(uneven)} do not divide among {tp} ranks "
-                f"(it has {', '.join(f'{c} {w}' for w, c in sizes.items())}; --tp may be "
-                f"{', '.join(map(str, divisors))})"
-            )
         return cls(config, tp, dist.get_rank())
 
     def local_config(self):
@@ -291,7 +296,8 @@ class TensorParallel:
         if name in _VOCAB_PARALLEL:
             end = min(self.vocab_start + self.vocab_rows, shape[0])
             part = lazy.read(rows=slice(min(self.vocab_start, end), end))  # (rows <= V / N, hidden)
-            return F.pad(part, (0, 0, 0, self.vocab_rows - part.shape[0]))
+            missing = self.vocab_rows - part.shape[0]
+            return F.pad(part, (0, 0, 0, missing)) if missing else part
         return lazy.read()
 
 

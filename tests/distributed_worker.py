@@ -4,8 +4,9 @@ of a spec, through `lmcli.load(..., tp=world size)` when started by torchrun.
     python tests/distributed_worker.py SPEC.json RESULT.json
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py SPEC.json RESULT.json
 
-SPEC: {"checkpoints": [paths], "prompts": [[ids], ...], "max_new_tokens": n}. Rank 0 writes RESULT:
-{"world_size": N, "runs": [{"checkpoint", "tokens": [[ids]...], "peak_mib": [per rank]}]}, where
+SPEC: {"checkpoints": [paths], "prompts": [[ids], ...], "max_new_tokens": n, "eos_token_id": id,
+"sampled_tokens": m}. Rank 0 writes RESULT: {"world_size": N, "runs": [{"checkpoint", "tokens": greedy
+[[ids]...], "sampled": with per-row seeds [[ids]...], "peak_mib": [per rank]}]}, where
 peak_mib is the rise of the process's peak resident memory while loading and running that checkpoint
 (the first checkpoint's figure is the meaningful one: a peak only ever rises).
 """
@@ -13,7 +14,6 @@ peak_mib is the rise of the process's peak resident memory while loading and run
 from __future__ import annotations
 
 import json
-import resource
 import sys
 
 import torch
@@ -24,7 +24,13 @@ from lmcli import distributed
 
 
 def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This process's peak resident memory (VmHWM). Not ru_maxrss: that one also counts the memory of
+    the parent the process was forked from, which for a pytest parent is larger than ours."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB -> MiB
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,8 +54,10 @@ def main(spec_path: str, result_path: str) -> None:
         before = peak_mib()
         model, _ = lmcli.load(checkpoint, device="cpu", dtype="float32", tp=tp)
         ids, mask = left_pad(spec["prompts"], pad=0)
-        out = model.generate(ids, spec["max_new_tokens"], do_sample=False, attention_mask=mask,
-                             eos_token_id=spec.get("eos_token_id"), pad_token_id=0)
+        greedy = model.generate(ids, spec["max_new_tokens"], do_sample=False, attention_mask=mask,
+                                eos_token_id=spec.get("eos_token_id"), pad_token_id=0)
+        sampled = model.generate(ids, spec["sampled_tokens"], do_sample=True, temperature=1.0, top_k=20,
+                                 attention_mask=mask, seed=list(range(7, 7 + len(ids))), pad_token_id=0)
         rise = peak_mib() - before
         del model
         peaks = [rise]
@@ -57,7 +65,8 @@ def main(spec_path: str, result_path: str) -> None:
             gathered: list = [None] * distributed.world_size()
             dist.all_gather_object(gathered, rise)
             peaks = gathered
-        runs.append({"checkpoint": checkpoint, "tokens": out[:, ids.shape[1]:].tolist(), "peak_mib": peaks})
+        runs.append({"checkpoint": checkpoint, "tokens": greedy[:, ids.shape[1]:].tolist(),
+                     "sampled": sampled[:, ids.shape[1]:].tolist(), "peak_mib": peaks})
     if distributed.is_output_rank():
         with open(result_path, "w") as handle:
             json.dump({"world_size": distributed.world_size(), "runs": runs}, handle)

@@ -1,0 +1,161 @@
+"""Tensor- and data-parallel generation with real `torchrun` processes (gloo on CPU).
+
+Each torchrun launch costs seconds (every rank imports torch), so the architectures share one launch
+of tests/distributed_worker.py. The single-process side of each comparison is the ordinary code path,
+which tests/test_models_parity.py checks against transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from cli_fixtures import run_lmcli, subprocess_env, tiny_checkpoint  # noqa: F401
+from real_models import smollm2_gguf  # noqa: F401
+from tiny import CASES, prompts, save_reference
+
+import lmcli
+from lmcli.errors import UsageError
+
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+FULL = os.environ.get("LMCLI_TEST_FULL") == "1"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun(ranks: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node RANKS ARGS` on this machine, one thread per rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
+    assert result.returncode == 0, f"torchrun failed:\n{result.stderr[-4000:]}"
+    return result
+
+
+def memory_checkpoint(directory: Path) -> Path:
+    """A llama of 250 MB of float32 weights, so per-process memory is dominated by the weights."""
+    from safetensors.torch import save_file
+
+    hidden, inner, vocab, layers, heads, kv_heads = 768, 2048, 24000, 4, 12, 4
+    head_dim = hidden // heads
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.05
+
+    tensors = {"model.embed_tokens.weight": weight(vocab, hidden), "lm_head.weight": weight(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}"
+        tensors.update({
+            f"{prefix}.self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+            f"{prefix}.self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+            f"{prefix}.self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+            f"{prefix}.self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+            f"{prefix}.mlp.gate_proj.weight": weight(inner, hidden),
+            f"{prefix}.mlp.up_proj.weight": weight(inner, hidden),
+            f"{prefix}.mlp.down_proj.weight": weight(hidden, inner),
+            f"{prefix}.input_layernorm.weight": torch.ones(hidden),
+            f"{prefix}.post_attention_layernorm.weight": torch.ones(hidden),
+        })
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    config = dict(model_type="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=inner,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=256, tie_word_embeddings=False)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_runs(tmp_path_factory):
+    """The worker's results alone and under torchrun with 2 ranks, for the memory model and every
+    tiny architecture: greedy past the context with EOS, and sampling with per-row seeds, on a
+    left-padded batch."""
+    root = tmp_path_factory.mktemp("tp")
+    checkpoints = [str(memory_checkpoint(root / "memory"))]
+    for case in sorted(CASES):
+        save_reference(case, root / case)
+        checkpoints.append(str(root / case))
+    spec = root / "spec.json"
+    # 9 + 58 tokens run past max_position_embeddings (64) of the tiny models.
+    spec.write_text(json.dumps({"checkpoints": checkpoints, "prompts": [p.tolist() for p in prompts([5, 9, 3])],
+                                "max_new_tokens": 58, "eos_token_id": 2, "sampled_tokens": 6}))
+    alone = subprocess.run([sys.executable, str(WORKER), str(spec), str(root / "alone.json")],
+                           capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert alone.returncode == 0, alone.stderr[-4000:]
+    torchrun(2, str(WORKER), str(spec), str(root / "tp2.json"))
+    return json.loads((root / "alone.json").read_text()), json.loads((root / "tp2.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_tensor_parallel_tokens_equal_single_process(tensor_parallel_runs, case):
+    alone, parallel = tensor_parallel_runs
+    assert (alone["world_size"], parallel["world_size"]) == (1, 2)
+    index = 1 + sorted(CASES).index(case)
+    assert Path(parallel["runs"][index]["checkpoint"]).name == case
+    assert parallel["runs"][index]["tokens"] == alone["runs"][index]["tokens"]
+    assert parallel["runs"][index]["sampled"] == alone["runs"][index]["sampled"]
+
+
+def test_tensor_parallel_rank_memory_is_about_half(tensor_parallel_runs):
+    alone, parallel = tensor_parallel_runs
+    [single] = alone["runs"][0]["peak_mib"]
+    per_rank = parallel["runs"][0]["peak_mib"]
+    print(f"\npeak memory rise loading + generating the 250 MB model: one process {single:.0f} MiB, "
+          f"--tp 2 ranks {', '.join(f'{m:.0f}' for m in per_rank)} MiB")
+    assert len(per_rank) == 2
+    assert single > 240  # the weights are there at least once
+    assert all(m < 0.6 * single for m in per_rank)
+
+
+def test_split_is_checked_before_any_weight_is_read(tmp_path):
+    save_reference("llama", tmp_path)  # 4 query heads, 2 key/value heads
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(UsageError, match=r"--tp 3: the model's 4 query heads and 2 key/value heads do not divide"):
+        lmcli.load(tmp_path, tp=3)
+
+
+def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):  # noqa: F811
+    result = run_lmcli("generate", "-c", str(tiny_checkpoint), "--tp", "2", "--greedy", "-n", "3", "hi")
+    assert result.returncode == 2
+    assert result.stderr.decode().strip().splitlines() == [
+        "error: --tp 2 needs 2 processes started by torchrun (torchrun --nproc-per-node 2 -m lmcli generate --tp 2 ...)"
+    ]
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(UsageError, match=r"--tp 2: .*model\.gguf is a GGUF file; tensor parallel reads float "
+                                         r"safetensors \(convert it first: lmcli convert"):
+        lmcli.load(gguf, tp=2)
+
+
+def test_cli_tp_prints_once_what_one_process_prints(tiny_checkpoint):  # noqa: F811
+    args = ["generate", "-c", str(tiny_checkpoint), "--greedy", "-n", "24", "--seed", "3", "Hello world"]
+    single = run_lmcli(*args)
+    assert single.returncode == 0, single.stderr
+    parallel = torchrun(2, "-m", "lmcli", *args, "--tp", "2")
+    assert single.stdout.decode() and parallel.stdout == single.stdout.decode()
+
+
+@pytest.mark.skipif(not FULL, reason="the real-model --tp 3 run takes minutes: make test-full")
+def test_smollm2_tp3_equals_single_process(tmp_path, smollm2_gguf):
+    """SmolLM2-135M (9 query, 3 key/value heads) dequantised to a float HF directory, --tp 3."""
+    converted = run_lmcli("convert", str(smollm2_gguf), str(tmp_path / "smollm2"), timeout=600)
+    assert converted.returncode == 0, converted.stderr
+    args = ["generate", "-c", str(tmp_path / "smollm2"), "--greedy", "-n", "32", "The capital of France is"]
+    single = run_lmcli(*args, timeout=600)
+    assert single.returncode == 0, single.stderr
+    parallel = torchrun(3, "-m", "lmcli", *args, "--tp", "3")
+    print(f"\n--tp 3 output: {parallel.stdout!r}")
+    assert len(single.stdout.decode()) > 20 and parallel.stdout == single.stdout.decode()
+
