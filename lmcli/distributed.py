@@ -150,7 +150,7 @@ def lazy_safetensors(files: list[Path]) -> tuple[dict[str, LazyTensor], dict[str
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                     if name in tensors:
                         raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
                     tensors[name] = LazyTensor(path, name, tuple(handle.get_slice(name).get_shape()))
@@ -245,16 +245,17 @@ class TensorParallel:
             vocab_size=self.vocab_rows,
         )
 
-    def build_model(self):
+    def build_model(self) -> Any:
         """This rank's BaseModel (parameters uninitialised if the caller says so), hooked up."""
         from lmcli.models.base import BaseModel
 
-        model = BaseModel(self.local_config())
+        model: Any = BaseModel(self.local_config())
         # The rest of lmcli sees the whole vocabulary: the head's gathered logits span all of it.
         model.config = dataclasses.replace(model.config, vocab_size=self.config.vocab_size)
         decoder = model.model
         decoder.embed_tokens = VocabParallelEmbedding(self.vocab_rows, self.config.hidden_size, self.vocab_start)
         model.tie_weights()
+        layer: Any
         for layer in decoder.layers:
             # After o_proj and after down_proj (or the whole MoE block): one all-reduce each.
             layer.self_attn.register_forward_hook(_sum_over_ranks)

@@ -44,7 +44,8 @@ def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def main(spec_path: str, result_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as handle:
+        spec = json.load(handle)
     tp = None
     if distributed.launched_by_torchrun():
         distributed.start("cpu")

@@ -126,7 +126,7 @@ def test_split_is_checked_before_any_weight_is_read(tmp_path):
         lmcli.load(tmp_path, tp=3)
 
 
-def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):  # noqa: F811
+def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):
     result = run_lmcli("generate", "-c", str(tiny_checkpoint), "--tp", "2", "--greedy", "-n", "3", "hi")
     assert result.returncode == 2
     assert result.stderr.decode().strip().splitlines() == [
@@ -139,7 +139,7 @@ def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):  # noqa: 
         lmcli.load(gguf, tp=2)
 
 
-def test_cli_tp_prints_once_what_one_process_prints(tiny_checkpoint):  # noqa: F811
+def test_cli_tp_prints_once_what_one_process_prints(tiny_checkpoint):
     args = ["generate", "-c", str(tiny_checkpoint), "--greedy", "-n", "24", "--seed", "3", "Hello world"]
     single = run_lmcli(*args)
     assert single.returncode == 0, single.stderr
