@@ -281,7 +281,10 @@ class TensorParallel:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # a tied head saved explicitly: the embedding's rows serve as the head
             shard = self._shard(name, lazy)
-            shards[name] = shard.to(dtype) if shard.is_floating_point() else shard
+            if not shard.is_floating_point():
+                raise UsageError(f"--tp {self.size}: {lazy.path}: tensor '{lazy.name}' is {shard.dtype}; "
+                                 "tensor parallel shards float weights only (float32, bfloat16, float16)")
+            shards[name] = shard.to(dtype)
         return shards
 
     def _shard(self, name: str, lazy: LazyTensor) -> torch.Tensor:
