@@ -159,3 +159,35 @@ def test_smollm2_tp3_equals_single_process(tmp_path, smollm2_gguf):
     print(f"\n--tp 3 output: {parallel.stdout!r}")
     assert len(single.stdout.decode()) > 20 and parallel.stdout == single.stdout.decode()
 
+
+
+def test_lazy_tensor_reads_the_part_of_a_renamed_view(tmp_path):
+    """GPT-2's fused, transposed c_attn, viewed as q/k/v and sliced, reads what slicing the whole does."""
+    from safetensors.torch import save_file
+
+    from lmcli.distributed import lazy_safetensors
+
+    whole = torch.arange(8 * 24, dtype=torch.float32).reshape(8, 24)  # Conv1D [in, 3 * out]
+    save_file({"c_attn.weight": whole, "bias": whole[0].clone()}, str(tmp_path / "w.safetensors"))
+    lazy, _ = lazy_safetensors([tmp_path / "w.safetensors"])
+    _, k, v = lazy["c_attn.weight"].t().chunk(3)
+    assert k.shape == (8, 8)
+    assert torch.equal(k.read(rows=slice(4, 8)), whole.t().chunk(3)[1][4:8])
+    assert torch.equal(v.read(columns=slice(2, 6)), whole.t().chunk(3)[2][:, 2:6])
+    assert torch.equal(lazy["bias"].chunk(3)[2].read(rows=slice(1, 5)), whole[0].chunk(3)[2][1:5])
+
+
+def test_tensor_parallel_refuses_non_float_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    from lmcli.config import ModelConfig
+    from lmcli.distributed import TensorParallel, lazy_safetensors
+
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 2, dtype=torch.int8)}, str(tmp_path / "q.safetensors"))
+    lazy, _ = lazy_safetensors([tmp_path / "q.safetensors"])
+    config = ModelConfig(model_type="llama", architecture="llama", vocab_size=8, hidden_size=2, intermediate_size=4,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=1,
+                         max_position_embeddings=8)
+    with pytest.raises(UsageError, match=r"--tp 2: .*q\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
+                                         r"is torch\.int8; tensor parallel shards float weights only"):
+        TensorParallel(config, size=2, rank=0).take_shards(lazy, torch.float32)
