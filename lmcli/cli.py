@@ -12,9 +12,10 @@ import enum
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -325,7 +326,7 @@ def generate(
 
     with _process_group(tp, input_path, device):
         if input_path is not None:
-            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
+            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp)
             return
         text = _read_prompt(prompt)
         _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
@@ -342,7 +343,8 @@ def _process_group(tp: int | None, input_path: Path | None, device: Device):
                              f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
         yield
         return
-    distributed.start(device.value)
+    data_parallel = tp is None and input_path is not None
+    distributed.start(device.value, distributed.JOB_TIMEOUT if data_parallel else None)
     try:
         if tp is None and input_path is None and distributed.world_size() > 1:
             raise UsageError(f"torchrun started {distributed.world_size()} processes: add --tp "
@@ -443,20 +445,31 @@ def _summary(result) -> str:
     return " · ".join(parts)
 
 
-def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
+def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp=None) -> None:
     from rich.console import Console
 
     from lmcli.jobs import run_job
 
+    job: Callable[..., Any] = run_job
+    quiet = False
+    if tp is None and "WORLD_SIZE" in os.environ:  # torchrun without --tp: a data-parallel job
+        from lmcli import distributed
+
+        if distributed.world_size() > 1:
+            job, quiet = distributed.run_data_parallel_job, not distributed.is_output_rank()
+    if job is run_job and output_path is not None and list(output_path.parent.glob(f"{output_path.name}.part*")):
+        from lmcli import distributed
+
+        distributed.adopt_parts(output_path, resume, overwrite)  # left by a data-parallel job
     try:
-        report = run_job(
+        report = job(
             input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite
         )
     except KeyboardInterrupt:
         where = f"; finished rows are saved in {output_path}, rerun with --resume to do the rest" if output_path else ""
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
-    if output_path is not None or stats:
+    if (output_path is not None or stats) and not quiet:
         parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
         if report.skipped:
             parts.append(f"{report.skipped} already done")
@@ -464,6 +477,8 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
         Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
     if report.failed:
+        if quiet:
+            raise typer.Exit(1)  # rank 0 says why
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
 
 

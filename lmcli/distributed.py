@@ -30,6 +30,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -48,14 +49,19 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def start(device: str | None = None) -> None:
+# Data-parallel ranks meet only at the start and the end of a job, and the first to finish waits for
+# the last: far longer than torch's default timeout (30 minutes on gloo, 10 on NCCL).
+JOB_TIMEOUT = timedelta(days=7)
+
+
+def start(device: str | None = None, timeout: timedelta | None = None) -> None:
     """Join the process group torchrun describes, once: NCCL when running on CUDA, else gloo."""
     if dist.is_initialized():
         return
     use_cuda = device not in ("cpu",) and torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
 
 
 def finish() -> None:
@@ -393,6 +399,26 @@ def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int
     return len(lines)
 
 
+def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
+    """Part files an interrupted data-parallel job left beside OUTPUT: with --resume their rows join
+    OUTPUT (whatever the number of ranks now, one included); with --overwrite they are removed."""
+    from lmcli import jobs
+
+    leftovers = _parts(output_path)
+    if not leftovers:
+        return
+    if overwrite:
+        for part in leftovers:
+            part.unlink()
+    elif resume:
+        if output_path.exists():
+            jobs.read_finished(output_path)  # drops a torn last line before appending
+        _absorb_parts(output_path)
+    else:
+        raise UsageError(f"{leftovers[0]} is part of an interrupted data-parallel job; use --resume to "
+                         "finish it or --overwrite to replace it")
+
+
 def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                           resume: bool = False, overwrite: bool = False):
     """A batch job shared by the ranks of the process group; returns the whole job's JobReport
@@ -403,18 +429,13 @@ def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, 
         raise UsageError("a data-parallel job (torchrun without --tp) needs --output FILE")
 
     def prepare() -> None:
-        leftovers = _parts(output_path)
         if overwrite:
-            for path in [output_path, *leftovers]:
-                path.unlink(missing_ok=True)
-        elif resume:
-            if output_path.exists() or leftovers:
-                if output_path.exists():
-                    jobs.read_finished(output_path)  # tidies a partial last line before appending
-                _absorb_parts(output_path)
-        elif output_path.exists() or leftovers:
-            what = output_path if output_path.exists() else leftovers[0]
-            raise UsageError(f"{what} already exists; use --resume to finish the job or --overwrite to replace it")
+            output_path.unlink(missing_ok=True)
+        elif output_path.exists() and not resume:
+            raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
+        adopt_parts(output_path, resume, overwrite)
+        if output_path.exists():
+            jobs.read_finished(output_path)  # drops failed rows (they are retried) before the ranks read it
 
     _on_rank_0(prepare)
     report = jobs.run_job(

@@ -627,8 +627,13 @@ def run_job(
     overwrite: bool = False,
     stdout: IO[str] | None = None,
     show_progress: bool = True,
+    done_in: Path | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> JobReport:
-    """Run a batch job; `load()` is only called when some row needs the model."""
+    """Run a batch job; `load()` is only called when some row needs the model.
+
+    For data-parallel jobs (lmcli.distributed): rows in `done_in` also count as done, and with
+    `share=(k, n)` this process runs only the k-th of every n rows still to do."""
     import sys
 
     started = time.perf_counter()
@@ -641,15 +646,21 @@ def run_job(
             finished = read_finished(output_path)
         elif not overwrite:
             raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
+    done_file = output_path
+    if done_in is not None:
+        finished.update(read_finished(done_in))
+        done_file = done_in
     for row in rows:
         done = finished.get(_id_key(row.id))
         if done is not None and done.get("input_hash") != row.input_hash:
             raise LmcliError(
-                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
+                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {done_file}:"
                 " its prompt or settings changed; use a new --output, or --overwrite"
             )
     todo = [row for row in rows if _id_key(row.id) not in finished]
     report.skipped = len(rows) - len(todo)
+    part, parts = share
+    todo = todo[part::parts]
 
     if output_path is None:
         stream, durable = (stdout or sys.stdout), False

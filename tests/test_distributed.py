@@ -191,3 +191,76 @@ def test_tensor_parallel_refuses_non_float_tensors(tmp_path):
     with pytest.raises(UsageError, match=r"--tp 2: .*q\.safetensors: tensor 'model\.layers\.0\.mlp\.up_proj\.weight' "
                                          r"is torch\.int8; tensor parallel shards float weights only"):
         TensorParallel(config, size=2, rank=0).take_shards(lazy, torch.float32)
+
+
+def job_input(path: Path) -> list:
+    """Rows that are greedy or carry their seed (so no result depends on who runs them), one bad row."""
+    rows: list[dict] = []
+    for i in range(9):
+        row: dict = {"prompt": "Hello there, number " + "x" * (i % 4) + str(i)}
+        row.update({"temperature": 0} if i % 3 == 0 else {"seed": 100 + i})
+        rows.append(row)
+    rows[4]["id"] = "four"
+    rows.append({"prompt": "bad", "top_p": 2})
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [row.get("id", n) for n, row in enumerate(rows, start=1)]
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def one_process_job(tmp_path_factory, tiny_checkpoint):
+    root = tmp_path_factory.mktemp("job")
+    ids = job_input(root / "in.jsonl")
+    result = run_lmcli("generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
+                       "--output", str(root / "one.jsonl"), "-n", "10", "--batch-size", "3")
+    assert result.returncode == 1, result.stderr  # the bad row
+    rows = {str(row["id"]): row for row in read_rows(root / "one.jsonl")}
+    assert len(rows) == len(ids) and sum("error" in row for row in rows.values()) == 1
+    return root, ids, rows
+
+
+def test_data_parallel_job_gives_the_rows_of_one_process(one_process_job, tiny_checkpoint):
+    root, ids, rows = one_process_job
+    output = root / "two.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), "-m", "lmcli", "generate", "-c", str(tiny_checkpoint),
+         "--input", str(root / "in.jsonl"), "--output", str(output), "-n", "10", "--batch-size", "3"],
+        capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode != 0  # the bad row, as with one process
+    assert result.stderr.count("error: 1 of 10 rows failed") == 1  # said once, by rank 0
+    merged = read_rows(output)
+    assert [row["id"] for row in merged] == ids  # merged in input order
+    assert {str(row["id"]): row for row in merged} == rows
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("two")) == ["two.jsonl"]
+
+
+def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
+    """An interrupted 2-rank job (torn lines, a failed row) resumed by 3 ranks, then one leftover part
+    adopted by a one-process --resume: the same rows as one process, each once."""
+    root, ids, rows = one_process_job
+    lines = [json.dumps(rows[str(i)]) for i in ids]
+    output = root / "resumed.jsonl"
+    output.write_text(lines[0] + "\n" + lines[5] + "\n" + lines[1][:20])  # a torn last line
+    Path(f"{output}.part0").write_text(lines[2] + "\n" + lines[7][:9])
+    Path(f"{output}.part1").write_text(json.dumps({"id": ids[3], "error": "killed", "input_hash": "x"}) + "\n")
+    args = ["-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
+            "--output", str(output), "-n", "10", "--batch-size", "3", "--resume"]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
+         "--master-port", str(free_port()), *args], capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert "3 already done" in result.stderr
+    merged = read_rows(output)
+    assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
+    assert not list(root.glob("resumed.jsonl.part*"))
+
+    output.write_text(lines[0] + "\n")
+    Path(f"{output}.part1").write_text("\n".join(lines[1:4]) + "\n")
+    result = run_lmcli(*args[2:])
+    assert "4 already done" in result.stderr.decode()
+    merged = read_rows(output)
+    assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
+    assert not list(root.glob("resumed.jsonl.part*"))
