@@ -452,11 +452,12 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
 
     job: Callable[..., Any] = run_job
     quiet = False
-    if tp is None and "WORLD_SIZE" in os.environ:  # torchrun without --tp: a data-parallel job
+    if "WORLD_SIZE" in os.environ:  # under torchrun: with --tp the ranks share the model, else the rows
         from lmcli import distributed
 
         if distributed.world_size() > 1:
-            job, quiet = distributed.run_data_parallel_job, not distributed.is_output_rank()
+            job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
+            quiet = not distributed.is_output_rank()
     if job is run_job and output_path is not None and list(output_path.parent.glob(f"{output_path.name}.part*")):
         from lmcli import distributed
 

@@ -419,6 +419,37 @@ def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
                          "finish it or --overwrite to replace it")
 
 
+def _prepare_output(output_path: Path, resume: bool, overwrite: bool) -> None:
+    """Rank 0, before any rank reads OUTPUT: the checks a one-process job makes, leftover parts
+    adopted, and the file tidied (torn line and failed rows dropped) so the ranks can all read it."""
+    from lmcli import jobs
+
+    if overwrite:
+        output_path.unlink(missing_ok=True)
+    elif output_path.exists() and not resume:
+        raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
+    adopt_parts(output_path, resume, overwrite)
+    if output_path.exists():
+        jobs.read_finished(output_path)
+
+
+def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
+                            resume: bool = False, overwrite: bool = False):
+    """A batch job on a model split over the ranks: every rank runs every row in step, rank 0 writes."""
+    from lmcli import jobs
+
+    if output_path is not None:
+        _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
+    if rank() == 0:
+        return jobs.run_job(input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume,
+                            overwrite=overwrite)
+    # The other ranks skip the rows rank 0 skips, and write nowhere.
+    done = output_path if resume and output_path is not None and output_path.exists() else None
+    with open(os.devnull, "w") as nowhere:
+        return jobs.run_job(input_path, None, settings, load=load, batch_size=batch_size, stdout=nowhere,
+                            show_progress=False, done_in=done)
+
+
 def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                           resume: bool = False, overwrite: bool = False):
     """A batch job shared by the ranks of the process group; returns the whole job's JobReport
@@ -428,16 +459,7 @@ def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, 
     if output_path is None:
         raise UsageError("a data-parallel job (torchrun without --tp) needs --output FILE")
 
-    def prepare() -> None:
-        if overwrite:
-            output_path.unlink(missing_ok=True)
-        elif output_path.exists() and not resume:
-            raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
-        adopt_parts(output_path, resume, overwrite)
-        if output_path.exists():
-            jobs.read_finished(output_path)  # drops failed rows (they are retried) before the ranks read it
-
-    _on_rank_0(prepare)
+    _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
     report = jobs.run_job(
         input_path, part_path(output_path, rank()), settings, load=load, batch_size=batch_size,
         resume=True, overwrite=True, show_progress=rank() == 0,

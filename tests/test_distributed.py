@@ -33,12 +33,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(ranks: int, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def torchrun(ranks: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node RANKS ARGS` on this machine, one thread per rank."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=subprocess_env())
-    assert result.returncode == 0, f"torchrun failed:\n{result.stderr[-4000:]}"
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=subprocess_env())
+    assert result.returncode == 0 or not check, f"torchrun failed:\n{result.stderr[-4000:]}"
     return result
 
 
@@ -139,14 +139,6 @@ def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):
         lmcli.load(gguf, tp=2)
 
 
-def test_cli_tp_prints_once_what_one_process_prints(tiny_checkpoint):
-    args = ["generate", "-c", str(tiny_checkpoint), "--greedy", "-n", "24", "--seed", "3", "Hello world"]
-    single = run_lmcli(*args)
-    assert single.returncode == 0, single.stderr
-    parallel = torchrun(2, "-m", "lmcli", *args, "--tp", "2")
-    assert single.stdout.decode() and parallel.stdout == single.stdout.decode()
-
-
 @pytest.mark.skipif(not FULL, reason="the real-model --tp 3 run takes minutes: make test-full")
 def test_smollm2_tp3_equals_single_process(tmp_path, smollm2_gguf):
     """SmolLM2-135M (9 query, 3 key/value heads) dequantised to a float HF directory, --tp 3."""
@@ -225,11 +217,8 @@ def one_process_job(tmp_path_factory, tiny_checkpoint):
 def test_data_parallel_job_gives_the_rows_of_one_process(one_process_job, tiny_checkpoint):
     root, ids, rows = one_process_job
     output = root / "two.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), "-m", "lmcli", "generate", "-c", str(tiny_checkpoint),
-         "--input", str(root / "in.jsonl"), "--output", str(output), "-n", "10", "--batch-size", "3"],
-        capture_output=True, text=True, timeout=600, env=subprocess_env())
+    result = torchrun(2, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
+                      "--output", str(output), "-n", "10", "--batch-size", "3", check=False)
     assert result.returncode != 0  # the bad row, as with one process
     assert result.stderr.count("error: 1 of 10 rows failed") == 1  # said once, by rank 0
     merged = read_rows(output)
@@ -249,9 +238,7 @@ def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
     Path(f"{output}.part1").write_text(json.dumps({"id": ids[3], "error": "killed", "input_hash": "x"}) + "\n")
     args = ["-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
             "--output", str(output), "-n", "10", "--batch-size", "3", "--resume"]
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-         "--master-port", str(free_port()), *args], capture_output=True, text=True, timeout=600, env=subprocess_env())
+    result = torchrun(3, *args, check=False)
     assert "3 already done" in result.stderr
     merged = read_rows(output)
     assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
@@ -264,3 +251,14 @@ def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
     merged = read_rows(output)
     assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
     assert not list(root.glob("resumed.jsonl.part*"))
+
+
+def test_tensor_parallel_job_writes_the_rows_of_one_process(one_process_job, tiny_checkpoint):
+    """`--tp 2 --input`: both ranks run every row in step; rank 0 alone writes them, once each."""
+    root, ids, rows = one_process_job
+    output = root / "tp.jsonl"
+    result = torchrun(2, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--tp", "2", "--input",
+                      str(root / "in.jsonl"), "--output", str(output), "-n", "10", "--batch-size", "3", check=False)
+    assert result.stderr.count("error: 1 of 10 rows failed") == 1, result.stderr[-3000:]
+    merged = read_rows(output)
+    assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
