@@ -4,8 +4,8 @@ of a spec, through `lmcli.load(..., tp=world size)` when started by torchrun.
     python tests/distributed_worker.py SPEC.json RESULT.json
     python -m torch.distributed.run --nproc-per-node 2 tests/distributed_worker.py SPEC.json RESULT.json
 
-SPEC: {"checkpoints": [paths], "prompts": [[ids], ...], "max_new_tokens": n, "eos_token_id": id,
-"sampled_tokens": m}. Rank 0 writes RESULT: {"world_size": N, "runs": [{"checkpoint", "tokens": greedy
+SPEC: {"runs": [{"checkpoint": path, "max_new_tokens": n, "sampled_tokens": m}, ...], "prompts": [[ids], ...],
+"eos_token_id": id}. Rank 0 writes RESULT: {"world_size": N, "runs": [{"checkpoint", "tokens": greedy
 [[ids]...], "sampled": with per-row seeds [[ids]...], "peak_mib": [per rank]}]}, where
 peak_mib is the rise of the process's peak resident memory while loading and running that checkpoint
 (the first checkpoint's figure is the meaningful one: a peak only ever rises).
@@ -51,13 +51,14 @@ def main(spec_path: str, result_path: str) -> None:
         distributed.start("cpu")
         tp = distributed.world_size()
     runs = []
-    for checkpoint in spec["checkpoints"]:
+    for run in spec["runs"]:
+        checkpoint = run["checkpoint"]
         before = peak_mib()
         model, _ = lmcli.load(checkpoint, device="cpu", dtype="float32", tp=tp)
         ids, mask = left_pad(spec["prompts"], pad=0)
-        greedy = model.generate(ids, spec["max_new_tokens"], do_sample=False, attention_mask=mask,
+        greedy = model.generate(ids, run["max_new_tokens"], do_sample=False, attention_mask=mask,
                                 eos_token_id=spec.get("eos_token_id"), pad_token_id=0)
-        sampled = model.generate(ids, spec["sampled_tokens"], do_sample=True, temperature=1.0, top_k=20,
+        sampled = model.generate(ids, run["sampled_tokens"], do_sample=True, temperature=1.0, top_k=20,
                                  attention_mask=mask, seed=list(range(7, 7 + len(ids))), pad_token_id=0)
         rise = peak_mib() - before
         del model

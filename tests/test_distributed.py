@@ -19,8 +19,10 @@ import torch
 from cli_fixtures import run_lmcli, subprocess_env, tiny_checkpoint  # noqa: F401
 from real_models import smollm2_gguf  # noqa: F401
 from tiny import CASES, prompts, save_reference
+from typer.testing import CliRunner
 
 import lmcli
+from lmcli.cli import app
 from lmcli.errors import UsageError
 
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -83,14 +85,13 @@ def tensor_parallel_runs(tmp_path_factory):
     tiny architecture: greedy past the context with EOS, and sampling with per-row seeds, on a
     left-padded batch."""
     root = tmp_path_factory.mktemp("tp")
-    checkpoints = [str(memory_checkpoint(root / "memory"))]
+    runs = [{"checkpoint": str(memory_checkpoint(root / "memory")), "max_new_tokens": 4, "sampled_tokens": 2}]
     for case in sorted(CASES):
         save_reference(case, root / case)
-        checkpoints.append(str(root / case))
+        # 9 + 58 tokens run past max_position_embeddings (64) of the tiny models.
+        runs.append({"checkpoint": str(root / case), "max_new_tokens": 58, "sampled_tokens": 6})
     spec = root / "spec.json"
-    # 9 + 58 tokens run past max_position_embeddings (64) of the tiny models.
-    spec.write_text(json.dumps({"checkpoints": checkpoints, "prompts": [p.tolist() for p in prompts([5, 9, 3])],
-                                "max_new_tokens": 58, "eos_token_id": 2, "sampled_tokens": 6}))
+    spec.write_text(json.dumps({"runs": runs, "prompts": [p.tolist() for p in prompts([5, 9, 3])], "eos_token_id": 2}))
     alone = subprocess.run([sys.executable, str(WORKER), str(spec), str(root / "alone.json")],
                            capture_output=True, text=True, timeout=600, env=subprocess_env())
     assert alone.returncode == 0, alone.stderr[-4000:]
@@ -127,9 +128,9 @@ def test_split_is_checked_before_any_weight_is_read(tmp_path):
 
 
 def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):
-    result = run_lmcli("generate", "-c", str(tiny_checkpoint), "--tp", "2", "--greedy", "-n", "3", "hi")
-    assert result.returncode == 2
-    assert result.stderr.decode().strip().splitlines() == [
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--tp", "2", "--greedy", "hi"])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == [
         "error: --tp 2 needs 2 processes started by torchrun (torchrun --nproc-per-node 2 -m lmcli generate --tp 2 ...)"
     ]
     gguf = tmp_path / "model.gguf"
