@@ -338,14 +338,13 @@ def _process_group(tp: int | None, input_path: Path | None, device: Device):
     from lmcli import distributed
 
     if not distributed.launched_by_torchrun():
-        if tp is not None and tp > 1:
-            raise UsageError(f"--tp {tp} needs {tp} processes started by torchrun "
-                             f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
+        distributed.check_world(tp)  # --tp without torchrun
         yield
         return
     data_parallel = tp is None and input_path is not None
     distributed.start(device.value, distributed.JOB_TIMEOUT if data_parallel else None)
     try:
+        distributed.check_world(tp)
         if tp is None and input_path is None and distributed.world_size() > 1:
             raise UsageError(f"torchrun started {distributed.world_size()} processes: add --tp "
                              f"{distributed.world_size()} (tensor parallel) or --input FILE (a data-parallel job)")
@@ -448,20 +447,16 @@ def _summary(result) -> str:
 def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp=None) -> None:
     from rich.console import Console
 
+    from lmcli import distributed
     from lmcli.jobs import run_job
 
     job: Callable[..., Any] = run_job
     quiet = False
-    if "WORLD_SIZE" in os.environ:  # under torchrun: with --tp the ranks share the model, else the rows
-        from lmcli import distributed
-
-        if distributed.world_size() > 1:
-            job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
-            quiet = not distributed.is_output_rank()
-    if job is run_job and output_path is not None and list(output_path.parent.glob(f"{output_path.name}.part*")):
-        from lmcli import distributed
-
-        distributed.adopt_parts(output_path, resume, overwrite)  # left by a data-parallel job
+    if distributed.world_size() > 1:  # under torchrun: with --tp the ranks share the model, else the rows
+        job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
+        quiet = not distributed.is_output_rank()
+    elif output_path is not None:
+        distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
     try:
         report = job(
             input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite

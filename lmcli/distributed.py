@@ -201,6 +201,18 @@ class VocabParallelEmbedding(nn.Embedding):
         return out
 
 
+def check_world(tp: int | None) -> None:
+    """`--tp N` needs a process group of N ranks (torchrun --nproc-per-node N)."""
+    if tp is None or (tp == 1 and world_size() == 1):
+        return
+    if not dist.is_initialized():
+        raise UsageError(f"--tp {tp} needs {tp} processes started by torchrun "
+                         f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
+    if dist.get_world_size() != tp:
+        raise UsageError(f"--tp {tp} but torchrun started {dist.get_world_size()} processes "
+                         f"(use --nproc-per-node {tp}, or --tp {dist.get_world_size()})")
+
+
 def check_divides(config, tp: int) -> None:
     """Heads and MLP units must split evenly over the ranks (the vocabulary need not)."""
     sizes = {"query heads": config.num_attention_heads, "key/value heads": config.num_key_value_heads,
@@ -232,12 +244,7 @@ class TensorParallel:
         """Check that the process group has `tp` ranks and the model divides among them, before any
         weight is read."""
         check_divides(config, tp)
-        if not dist.is_initialized():
-            raise UsageError(f"--tp {tp} needs {tp} processes started by torchrun "
-                             f"(torchrun --nproc-per-node {tp} -m lmcli generate --tp {tp} ...)")
-        if dist.get_world_size() != tp:
-            raise UsageError(f"--tp {tp} but torchrun started {dist.get_world_size()} processes "
-                             f"(use --nproc-per-node {tp}, or --tp {dist.get_world_size()})")
+        check_world(tp)
         return cls(config, tp, dist.get_rank())
 
     def local_config(self):
