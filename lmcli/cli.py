@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
-from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 try:  # typer >= 0.2x ships its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -286,7 +286,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import GenerationSettings
+    from lmcli.settings import GenerationSettings
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -347,16 +347,12 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
-
-
 def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
     import json
 
-    from rich.console import Console
-
-    from lmcli.jobs import RowError, generate_batch, prepare_row, require_chat_template
-    from lmcli.streaming import PlainOutput, TerminalOutput
+    from lmcli.console import PlainOutput, TerminalOutput, print_dim, row_summary
+    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
+    from lmcli.settings import RowError
 
     model, tokenizer = load()
     if settings.chat:
@@ -393,24 +389,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     elif terminal:
         output.end()
     if stats or (terminal and output is not None):
-        Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False, soft_wrap=True)
-
-
-def _summary(result) -> str:
-    tokens = len(result.tokens)
-    seconds = max((result.finished_at or result.started) - result.started, 1e-9)
-    parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s"]
-    if result.first_token_at is not None:
-        parts.append(f"{(result.first_token_at - result.started) * 1000:.0f} ms to first token")
-    parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
-    if result.row.seed is not None:
-        parts.append(f"seed {result.row.seed}")
-    return " · ".join(parts)
+        print_dim(row_summary(result))
 
 
 def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
-    from rich.console import Console
-
+    from lmcli.console import job_summary, print_dim
     from lmcli.jobs import run_job
 
     try:
@@ -422,12 +405,7 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
     if output_path is not None or stats:
-        parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
-        if report.skipped:
-            parts.append(f"{report.skipped} already done")
-        parts.append(f"{report.tokens} tokens")
-        parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
-        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
+        print_dim(job_summary(report, output_path))
     if report.failed:
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
 

@@ -361,7 +361,7 @@ def test_piped_output_is_exactly_the_completion(tiny_checkpoint):
 
 
 def test_terminal_shows_the_prompt_dimmed_then_the_stream_and_a_summary(tiny_checkpoint):
-    from lmcli.streaming import visible_controls
+    from lmcli.console import visible_controls
 
     prompt, flags = "Hello", ["--seed", "2", "-n", "16", "--ignore-eos"]
     expected = generate_json(tiny_checkpoint, prompt, *flags)["completion"]

@@ -12,17 +12,9 @@ import torch
 
 from lmcli import streaming
 from lmcli.errors import LmcliError, UsageError
-from lmcli.jobs import (
-    GenerationSettings,
-    PreparedRow,
-    RowError,
-    input_hash,
-    plan_batches,
-    read_finished,
-    read_rows,
-    run_job,
-    unescape_line,
-)
+from lmcli.generation.rows import PreparedRow, plan_batches
+from lmcli.jobs import read_finished, read_rows, run_job, unescape_line
+from lmcli.settings import GenerationSettings, RowError, input_hash
 from lmcli.streaming import RowText, StopMatcher
 
 # ----------------------------------------------------------------------------- stop strings
@@ -107,7 +99,7 @@ class ByteTokenizer:
 
 @pytest.fixture
 def byte_decoder(monkeypatch):
-    monkeypatch.setattr(streaming, "stream_decoder", ByteDecoder)
+    monkeypatch.setattr(streaming, "StreamDecoder", ByteDecoder)
 
 
 def test_row_text_joins_multibyte_characters_and_cuts_at_stops(byte_decoder):

@@ -28,7 +28,6 @@ from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures: instal
 
 from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer import (
-    StreamDecoder,
     Tokenizer,
     implied_merges,
     load_tokenizer,
@@ -38,6 +37,8 @@ from lmcli.io.tokenizer import (
 
 transformers = pytest.importorskip("transformers", reason="transformers is the reference (a test dependency)")
 from transformers import AutoTokenizer  # noqa: E402
+
+from lmcli.streaming import StreamDecoder  # noqa: E402
 
 KINDS = ["bpe", "spm", "llama_json", "gguf_llama_bpe", "gguf_qwen2", "gguf_spm", "smollm2", "gemma3"]
 STREAM_TEXTS = [

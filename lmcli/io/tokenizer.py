@@ -1,5 +1,4 @@
-"""Tokenizers: HF directories (tokenizer.json / tokenizer.model), GGUF vocabularies, chat templates,
-and incremental detokenisation for streaming.
+"""Tokenizers: HF directories (tokenizer.json / tokenizer.model), GGUF vocabularies, and chat templates.
 
 Every source becomes one in-memory `tokenizers.Tokenizer`, configured the way transformers'
 AutoTokenizer configures it for the same files, so ids match the reference exactly. transformers
@@ -22,7 +21,6 @@ from tokenizers import Tokenizer as Backend
 from lmcli.errors import TokenizerError
 
 SPIECE_SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole character
 
 # GGUF token types (llama.cpp's llama_token_type).
 GGUF_CONTROL = 3
@@ -121,55 +119,6 @@ class Tokenizer:
             config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
         return out
-
-
-class StreamDecoder:
-    """Turns ids into text one id at a time; the pieces joined equal `tokenizer.decode(all_ids)`.
-
-    Each push decodes a short window that starts a little before the new ids ("prefix offset")
-    and returns only what lies past the text already emitted ("read offset"). Starting the window
-    at an earlier, already-final token keeps context-dependent decoding (SentencePiece's leading
-    space, merged byte tokens) the same as in the full decode. Text is held back while it ends in
-    U+FFFD (a multi-byte character whose bytes have not all arrived) or while a run of
-    byte-fallback tokens ("<0xE4>") may go on: the decoder turns a run into text all at once, and
-    one bad byte later in the run turns the whole run into U+FFFD.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self._invisible = tokenizer.special_ids if skip_special_tokens else frozenset()
-        self._reset()
-
-    def _reset(self) -> None:
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # window start: a token whose text is final
-        self._read_offset = 0  # everything before this has been emitted
-        self._in_byte_run = False
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def push(self, token_id: int) -> str:
-        token_id = int(token_id)
-        self._ids.append(token_id)
-        if token_id not in self._invisible:  # skipped tokens vanish before decoding, joining runs
-            self._in_byte_run = self.tokenizer.is_byte_token(token_id)
-        if self._in_byte_run:
-            return ""
-        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        window = self._decode(self._ids[self._prefix_offset:])
-        if len(window) > len(emitted) and not window.endswith(REPLACEMENT_CHAR):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            return window[len(emitted):]
-        return ""
-
-    def flush(self) -> str:
-        """The text still held back (an unfinished character becomes U+FFFD); ends the stream."""
-        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        rest = self._decode(self._ids[self._prefix_offset:])[len(emitted):]
-        self._reset()
-        return rest
 
 
 # ---------------------------------------------------------------- chat templates
