@@ -9,7 +9,7 @@ import torch
 from tiny import VOCAB, left_pad, prompts, save_reference
 
 import lmcli
-from lmcli.generation.cache import KVCache, ModelCache, RollingKVCache
+from lmcli.models.cache import KVCache, ModelCache, RollingKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from lmcli.generation.sampling import row_generators, sample, sampling_transforms
-from lmcli.models.base import positions_from_mask
+from lmcli.models.layers import positions_from_mask
 
 
 @dataclass
@@ -70,6 +70,10 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
              attention_mask: torch.Tensor | None = None, eos_token_id=None, pad_token_id: int | None = None,
              *, seed=None, logits_processors=None, on_token: Callable[[TokenEvent], Any] | None = None,
              ignore_output: bool = False) -> torch.Tensor | None:
+    """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n]; `model.generate` calls this.
+
+    The contract (return value, seeds, EOS and padding, caches, hooks) is the README's "generate()" section.
+    """
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
     processors = list(logits_processors or [])

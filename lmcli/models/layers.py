@@ -231,3 +231,8 @@ class SparseMoE(nn.Module):
             expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
             out.index_add_(0, token_index, expert_out * weights[token_index, slot, None])
         return out.view(shape)
+
+
+def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
+    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)
