@@ -114,12 +114,18 @@ def gguf_fingerprint(path: str | Path) -> str:
 
 
 def _converter_version() -> str:
-    """Entries made by another version of the GGUF reader are not trusted: its output may differ."""
+    """Entries made by another version of the GGUF translation are not trusted: its output may differ.
+
+    The translation is io/gguf.py, io/gguf_reader.py and each architecture's `config_from_gguf` /
+    `tensors_from_gguf` in models/, so all of those are hashed."""
     import gguf
 
-    from lmcli.io import gguf as reader
-
-    return hashlib.sha256(Path(reader.__file__).read_bytes()).hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
+    package = Path(__file__).resolve().parent
+    sources = [package / "io" / "gguf.py", package / "io" / "gguf_reader.py", *sorted((package / "models").glob("*.py"))]
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

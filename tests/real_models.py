@@ -150,7 +150,7 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompt
 
 def encoded_text_prompts(gguf_path: Path) -> list[list[int]]:
     """TEXT_PROMPTS as ids from lmcli's tokenizer for the file (equal to the reference's: test_tokenizer)."""
-    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.gguf_reader import read_gguf_metadata
     from lmcli.io.tokenizer import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(gguf_path))
