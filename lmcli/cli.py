@@ -8,6 +8,7 @@ Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import traceback
@@ -19,11 +20,6 @@ from typer.core import TyperGroup
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
-
-try:  # typer >= 0.2x ships its own copy of click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as click_exceptions
 
 _debug = False  # set by --debug (anywhere on the command line); shows tracebacks
 
@@ -58,30 +54,35 @@ class _LmcliGroup(TyperGroup):
         args = [a for a in args[:end] if a != "--debug"] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
-        except click_exceptions.NoArgsIsHelpError as e:
-            typer.echo(e.format_message())
-            code = 0
-        except click_exceptions.UsageError as e:
-            code = _fail(_click_usage_line(e), e.exit_code)
-        except click_exceptions.ClickException as e:
-            code = _fail(e.format_message(), e.exit_code)
         except typer.Abort:
             code = _fail("aborted", 1)
         except LmcliError as e:
             code = _fail(str(e), e.exit_code)
-        except Exception as e:  # a bug in lmcli: say so in one line; --debug shows where
-            code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+        except Exception as e:
+            code = _click_exception_code(e)
+            if code is None:  # a bug in lmcli: say so in one line; --debug shows where
+                code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
 
 
-def _click_usage_line(e) -> str:
-    message = " ".join(e.format_message().split())
-    if e.ctx is not None:
-        message += f" (see '{e.ctx.command_path} --help')"
-    return message
+def _click_exception_code(e: Exception) -> int | None:
+    """The exit code for one of click's exceptions (a usage error, ...), after saying what it is; None
+    for anything else. Recognised by click's exception interface (`exit_code`, `format_message`), since
+    Typer raises them from its private copy of click and older Typers from click itself."""
+    exit_code, format_message = getattr(e, "exit_code", None), getattr(e, "format_message", None)
+    if not isinstance(exit_code, int) or format_message is None:
+        return None
+    if type(e).__name__ == "NoArgsIsHelpError":  # `lmcli` alone: the help, which is no error
+        typer.echo(format_message())
+        return 0
+    message = " ".join(format_message().split())
+    context = getattr(e, "ctx", None)  # usage errors know the command they are about
+    if context is not None:
+        message += f" (see '{context.command_path} --help')"
+    return _fail(message, exit_code)
 
 
 def _fail(message: str, code: int) -> int:
@@ -160,7 +161,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
 
     console = Console(stderr=True)
     where = str(checkpoint) if checkpoint is not None else "the default model"
-    with console.status(f"loading {where}…") if console.is_terminal else _nothing():
+    with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
         loaded, tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
             model=model,
@@ -172,14 +173,6 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
         )
     return loaded, tokenizer
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------- generate
@@ -420,13 +413,9 @@ def models() -> None:
 
     rows = []
     for name in registry.list_presets():
-        config = registry.preset_config(name) or {}
-        arch = registry.MODEL_TYPES.get(config.get("model_type"), config.get("model_type", "?"))
-        # gpt2's config.json spells the sizes its own way
-        layers = config.get("num_hidden_layers", config.get("n_layer"))
-        hidden = config.get("hidden_size", config.get("n_embd"))
-        context = config.get("max_position_embeddings", config.get("n_positions"))
-        rows.append((name, arch, _count(layers), _count(hidden), _count(context)))
+        config = registry.config_from_hf(registry.preset_config(name) or {})
+        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
+        rows.append((name, config.architecture, *map(str, sizes)))
     architectures = ", ".join(registry.list_architectures())
     if not sys.stdout.isatty():
         typer.echo(f"architectures\t{architectures}")
@@ -446,10 +435,6 @@ def models() -> None:
     console.print(table)
 
 
-def _count(value) -> str:
-    return "" if value is None else str(value)
-
-
 @app.command()
 def info(
     checkpoint: Annotated[
@@ -461,22 +446,22 @@ def info(
     """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
     loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
     config = loaded.config
-    parameters = sum(p.numel() for p in loaded.parameters())
-    dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
-    window = getattr(config, "sliding_window", None)
+    parameters = loaded.num_parameters()
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    window = config.sliding_window
     facts = [
         ("checkpoint", str(checkpoint)),
-        ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
+        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{_human(parameters)} ({parameters:,})"),
         ("dtype", dtype),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
         ("layers", str(config.num_hidden_layers)),
         ("hidden size", str(config.hidden_size)),
-        ("heads", f"{getattr(config, 'num_attention_heads', '?')} (kv {getattr(config, 'num_key_value_heads', '?')})"),
+        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
         ("vocabulary", f"{config.vocab_size:,}"),
         ("tokenizer", _describe_tokenizer(tokenizer)),
-        ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
+        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
@@ -525,14 +510,11 @@ def convert(
 def _describe_tokenizer(tokenizer) -> str:
     if tokenizer is None:
         return "none (text cannot be encoded)"
-    backend = getattr(tokenizer, "backend", None)
-    kind = type(backend.model).__name__ if backend is not None else type(tokenizer).__name__
-    parts = [f"{kind}, {getattr(tokenizer, 'vocab_size', '?'):,} tokens"]
-    if getattr(tokenizer, "add_bos_token", False):
+    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
+    if tokenizer.add_bos_token:
         parts.append("adds BOS")
-    eos = getattr(tokenizer, "eos_token_ids", None)
-    if eos:
-        parts.append(f"EOS ids {', '.join(map(str, eos))}")
+    if tokenizer.eos_token_ids:
+        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
     return "; ".join(parts)
 
 

@@ -319,7 +319,7 @@ def run_job(
 
 def default_batch_size(model) -> int:
     # A CPU is busy with a few rows already; a GPU needs many to be kept busy.
-    return 32 if next(model.parameters()).device.type == "cuda" else 8
+    return 32 if model.device.type == "cuda" else 8
 
 
 def _write_error(writer: RowWriter, row_id, prompt, message, hash_) -> None:

@@ -253,6 +253,8 @@ def test_batches_share_settings_and_sort_by_length():
 class FakeModel(torch.nn.Module):
     """Follows the generate() contract: each row's tokens depend only on its own prompt and seed."""
 
+    device = torch.device("cpu")  # as BaseModel.device
+
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))

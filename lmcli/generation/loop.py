@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from lmcli.config import eos_id_list
 from lmcli.generation.sampling import row_generators, sample, sampling_transforms
 from lmcli.models.layers import positions_from_mask
 
@@ -47,16 +48,6 @@ def _validate_inputs(x: torch.Tensor, max_new_tokens: int, attention_mask: torch
     return mask
 
 
-def _eos_ids(eos_token_id: Any) -> list[int]:
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):
-        return [int(v) for v in eos_token_id.flatten().tolist()]
-    if isinstance(eos_token_id, (list, tuple)):
-        return [int(v) for v in eos_token_id]
-    return [int(eos_token_id)]
-
-
 def history_capacity(prompt_len: int, max_new_tokens: int, max_positions: int, trim: bool) -> int:
     """Columns of token history to allocate. All of them normally; with `trim` (ignore_output and no
     processors, which would need the whole text) only what the model can still see, plus a window of
@@ -77,7 +68,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
     processors = list(logits_processors or [])
-    eos = _eos_ids(eos_token_id)
+    eos = eos_id_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
 

@@ -37,7 +37,7 @@ def encode_prompt(tokenizer, prompt: str, settings: GenerationSettings) -> list[
 
 
 def require_chat_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
+    if not tokenizer.chat_template:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
@@ -117,8 +117,8 @@ def generate_batch(
     from lmcli.streaming import RowText
 
     settings = rows[0].settings
-    device = next(model.parameters()).device
-    eos_ids = list(tokenizer.eos_token_ids or [])
+    device = model.device
+    eos_ids = tokenizer.eos_token_ids
     stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     width = max(len(r.prompt_ids) for r in rows)

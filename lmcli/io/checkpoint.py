@@ -13,8 +13,8 @@ import torch
 
 from lmcli.errors import CheckpointError
 
-# Non-parameter buffers that real checkpoints carry; recognised and skipped.
-IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|\.attn\.(bias|masked_bias))$")
+# Non-parameter buffers that real checkpoints carry (RoPE tables, GPT-2's causal mask); recognised and skipped.
+IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(bias|masked_bias))$")
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -73,7 +73,7 @@ def fill_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source:
     """
     origin = origin or {}
     expected = dict(model.named_parameters(remove_duplicate=False))
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     for name, tensor in tensors.items():
         where = origin.get(name, source)
         if name in tied:

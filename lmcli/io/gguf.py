@@ -21,6 +21,7 @@ import mmap
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,13 +44,19 @@ class GGUFCheckpoint:
 # --- dequantisation --------------------------------------------------------------------------------
 
 
-def _dequantisable_types() -> set[int]:
-    from gguf import GGMLQuantizationType, quants
+@lru_cache(maxsize=None)
+def _can_dequantise(ggml_type: int) -> bool:
+    """Whether the gguf package dequantises this type, asked of its public API with one zero block
+    (it raises NotImplementedError for the types it lacks)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    # gguf.quants keeps its dequantisers in a private table; F32 and F16 are handled outside it.
-    return {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16)} | {
-        int(t) for t in getattr(quants, "_type_traits", {})
-    }
+    kind = GGMLQuantizationType(ggml_type)
+    _, block_bytes = GGML_QUANT_SIZES[kind]
+    try:
+        quants.dequantize(np.zeros((1, block_bytes), dtype=np.uint8), kind)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _dequantise(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
@@ -282,9 +289,8 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
     path = Path(path)
     with mapped_gguf(path) as (buf, header):
         arch, module = _architecture_module(header)
-        supported = _dequantisable_types()
         for info in header.tensors.values():
-            if info.ggml_type not in supported:
+            if not _can_dequantise(info.ggml_type):
                 raise GGUFError(f"{path}: tensor '{info.name}' has unsupported tensor type {info.type_name} "
                                 "(lmcli dequantises F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants and IQ types)")
         source = GGUFFile(header, buf, arch)

@@ -10,15 +10,12 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from lmcli.config import ModelConfig, token_and_source_fields
 
 if TYPE_CHECKING:
-    from lmcli.io.gguf import GGUFFile
+    import torch
 
-# Buffers real GPT-2 checkpoints carry that are not parameters (the causal mask).
-IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
+    from lmcli.io.gguf import GGUFFile
 
 _RENAMES = {
     "ln_1": "input_layernorm",
@@ -60,11 +57,13 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def convert_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """GPT-2 names -> shared decoder names; Conv1D [in, out] -> Linear [out, in]; c_attn -> q, k, v."""
+    from lmcli.io.checkpoint import IGNORED_TENSORS
+
     out = {}
     for name, tensor in tensors.items():
         if name.startswith("transformer."):
             name = name[len("transformer."):]
-        if IGNORED.search(name):
+        if IGNORED_TENSORS.search(name):  # the causal-mask buffers GPT-2 checkpoints carry
             continue
         if name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
             target = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}

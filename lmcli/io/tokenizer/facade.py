@@ -10,6 +10,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from lmcli.config import eos_id_list
 from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer.chat_template import compile_template
 
@@ -39,8 +40,7 @@ class Tokenizer:
         self.unk_token_id = self._id_of(unk_token)
         # generation_config.json's eos (often a list for chat models) is what generation should stop on.
         self.eos_token_id: int | list[int] | None = generation_eos if generation_eos is not None else self._id_of(eos_token)
-        stops = list(self.eos_token_id) if isinstance(self.eos_token_id, list) else [self.eos_token_id]
-        stops += [self._id_of(eos_token), *extra_stop_ids]
+        stops = [*eos_id_list(self.eos_token_id), self._id_of(eos_token), *extra_stop_ids]
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in stops if i is not None))
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         # Read off the post-processor rather than a flag, so a tokenizer.json's own template counts too.
