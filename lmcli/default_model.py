@@ -10,6 +10,7 @@ directory and renamed into place so no reader ever sees half an entry.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -205,10 +206,8 @@ def _swap_into_place(staging: Path, entry: Path) -> None:
     for _ in range(3):
         if entry.exists():
             trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=entry.parent))
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
                 os.rename(entry, trash / "entry")
-            except FileNotFoundError:
-                pass
             shutil.rmtree(trash, ignore_errors=True)
         try:
             os.rename(staging, entry)
@@ -250,8 +249,6 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
         except (OSError, ValueError, SafetensorError):
             pass  # damaged in a way the checks above miss: rebuild it
     checkpoint = read_gguf(gguf_path, dtype)
-    try:
+    with contextlib.suppress(OSError):  # a read-only or full cache: use the checkpoint uncached
         _write_entry(checkpoint, entry, key)
-    except OSError:
-        pass
     return checkpoint

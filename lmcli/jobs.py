@@ -271,7 +271,7 @@ def run_job(
         stream, durable = (stdout or sys.stdout), False
     else:
         try:
-            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")
+            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in the finally below)
         except OSError as e:
             raise LmcliError(f"cannot write {output_path}: {e.strerror or e}") from None
         durable = True

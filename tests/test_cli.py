@@ -254,7 +254,7 @@ def _parameter_count(checkpoint) -> int:
     from safetensors import safe_open
 
     with safe_open(checkpoint / "model.safetensors", "np") as f:
-        return sum(f.get_tensor(name).size for name in f.keys())
+        return sum(f.get_tensor(name).size for name in f.keys())  # noqa: SIM118 (safe_open is not a dict)
 
 
 # ----------------------------------------------------------------------------- batch jobs

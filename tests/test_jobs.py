@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
@@ -82,7 +83,7 @@ class ByteDecoder:
 class ByteTokenizer:
     """Ids 0/1/2 are BOS/EOS/pad; every other id is a byte."""
 
-    eos_token_ids = [1]
+    eos_token_ids: ClassVar[list[int]] = [1]
     pad_token_id = 2
     bos_token_id = 0
     chat_template = "{{ messages }}"

@@ -50,7 +50,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict: keys() is its API)
                     if name in tensors:
                         raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
                     tensor = handle.get_tensor(name)

@@ -21,7 +21,7 @@ import mmap
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,7 +44,7 @@ class GGUFCheckpoint:
 # --- dequantisation --------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
+@cache
 def _can_dequantise(ggml_type: int) -> bool:
     """Whether the gguf package dequantises this type, asked of its public API with one zero block
     (it raises NotImplementedError for the types it lacks)."""

@@ -7,6 +7,7 @@ Gemma's 262k tokens, where this takes 0.3 s, hence a reader of our own.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import struct
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -202,11 +203,7 @@ def _parse_header(buf: mmap.mmap, path: Path) -> GGUFHeader:
 def mapped_gguf(path: str | Path) -> Iterator[tuple[mmap.mmap, GGUFHeader]]:
     """The file memory-mapped, with its parsed header; the map closes when the block ends."""
     path = Path(path)
-    try:
-        file = open(path, "rb")
-    except OSError as exc:
-        raise GGUFError(f"{path}: cannot open ({exc.strerror or exc})") from None
-    with file:
+    with _opened(path) as file:
         size = file.seek(0, 2)
         if size < 4:
             raise GGUFError(f"{path}: truncated file: {size} bytes, too short to be GGUF")
@@ -214,10 +211,15 @@ def mapped_gguf(path: str | Path) -> Iterator[tuple[mmap.mmap, GGUFHeader]]:
         try:
             yield buf, _parse_header(buf, path)
         finally:
-            try:
+            with contextlib.suppress(BufferError):  # a caller still holds a view; the map goes when that does
                 buf.close()
-            except BufferError:  # a caller still holds a view; the map goes when that does
-                pass
+
+
+def _opened(path: Path) -> BinaryIO:
+    try:
+        return open(path, "rb")  # the caller's `with` closes it
+    except OSError as exc:
+        raise GGUFError(f"{path}: cannot open ({exc.strerror or exc})") from None
 
 
 def read_gguf_header(path: str | Path) -> GGUFHeader:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any
+from typing import Any, ClassVar
 
 
 @lru_cache(maxsize=8)
@@ -28,7 +28,7 @@ def _chat_environment() -> Any:
     class GenerationBlock(Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
         # only has to render its body.
-        tags = {"generation"}
+        tags: ClassVar[set[str]] = {"generation"}
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
