@@ -12,8 +12,9 @@ import contextlib
 import enum
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
@@ -45,7 +46,8 @@ class OutputFormat(str, enum.Enum):
 class _LmcliGroup(TyperGroup):
     """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         global _debug
         args = list(sys.argv[1:] if args is None else args)
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
@@ -53,7 +55,8 @@ class _LmcliGroup(TyperGroup):
         _debug = "--debug" in args[:end]
         args = [a for a in args[:end] if a != "--debug"] + args[end:]
         try:
-            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
+            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
+                               windows_expand_args=windows_expand_args, **extra)
         except typer.Abort:
             code = _fail("aborted", 1)
         except LmcliError as e:
@@ -428,8 +431,10 @@ def models() -> None:
     console = Console()
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME)", title_justify="left")
-    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"), ("context", "right")):
-        table.add_column(column, justify=justify)
+    for column in ("preset", "architecture"):
+        table.add_column(column)
+    for column in ("layers", "hidden", "context"):
+        table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*row)
     console.print(table)
@@ -553,7 +558,7 @@ def bench(
     """Benchmark generation speed (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
 
-    options = dict(
+    options: dict[str, Any] = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         model=model,
         device=device.value,

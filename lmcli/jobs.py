@@ -258,8 +258,8 @@ def run_job(
         elif not overwrite:
             raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
     for row in rows:
-        done = finished.get(_id_key(row.id))
-        if done is not None and done.get("input_hash") != row.input_hash:
+        earlier = finished.get(_id_key(row.id))
+        if earlier is not None and earlier.get("input_hash") != row.input_hash:
             raise LmcliError(
                 f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
                 " its prompt or settings changed; use a new --output, or --overwrite"
@@ -281,19 +281,21 @@ def run_job(
         for row in todo:
             if row.error is not None:
                 _write_error(writer, row.id, row.prompt, row.error, row.input_hash)
-        pending = [row for row in todo if row.error is None]
+        # A row without an error has its prompt and settings.
+        pending = [(row, row.prompt, row.settings) for row in todo
+                   if row.error is None and row.prompt is not None and row.settings is not None]
         if pending:
             model, tokenizer = load()
             # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
             progress = JobProgress(len(todo), writer.rows, enabled=output_path is not None and show_progress)
-            if any(row.settings.chat for row in pending):
+            if any(settings.chat for _, _, settings in pending):
                 require_chat_template(tokenizer)
             prepared = []
-            for row in pending:
+            for row, prompt, settings in pending:
                 try:
-                    prepared.append(prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash))
+                    prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash))
                 except RowError as e:
-                    _write_error(writer, row.id, row.prompt, f"line {row.line}: {e}", row.input_hash)
+                    _write_error(writer, row.id, prompt, f"line {row.line}: {e}", row.input_hash)
                     progress.advance()
 
             def done(result: RowResult) -> None:

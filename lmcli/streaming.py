@@ -18,7 +18,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole character
@@ -131,7 +131,7 @@ class RowText:
 
     CONTEXT_TOKENS = 4  # prompt tokens decoded along with the first new ones
 
-    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: Sequence[int] = ()):
         self._decoder = StreamDecoder(tokenizer)
         self._matcher = StopMatcher(stops)
         self._pieces: list[str] = []

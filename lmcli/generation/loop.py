@@ -85,7 +85,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     # a row's set of seen tokens (e.g. for a repetition penalty) is the same alone or in a batch.
     first_token = ids.gather(1, (~slot_is_token[:, :prompt_len]).sum(-1, keepdim=True))  # (B, 1)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
-    generators = row_generators(seed, batch, device) if do_sample else None
+    generators = row_generators(seed, batch, device) if do_sample else []
 
     cache = model.init_cache(batch, min(total, max_positions)) if use_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -112,7 +112,8 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
         logits = logits[:, -1].float()  # (B, V)
 
         scores = logits
-        context = None
+        # Only processors read the text so far; the built-in transforms get an empty view.
+        context = ids[:, :0]  # (B, 0)
         if processors:
             context = torch.where(slot_is_token[:, :length], ids[:, :length], first_token)  # (B, length)
         if do_sample:

@@ -164,7 +164,7 @@ def generate_batch(
             result.tokens.append(token)
             if result.first_token_at is None:
                 result.first_token_at = now
-            if steps is not None:
+            if steps is not None and result.logprobs is not None:
                 result.logprobs.append(steps(i))
             if token in stop_at_eos:
                 finish(result, "eos")
@@ -208,8 +208,8 @@ def _logprob_steps(tokenizer, event, k: int):
     chosen = logprobs.gather(1, event.token_id.view(-1, 1).to(logprobs.device)).view(-1).tolist()
     token_ids = event.token_id.tolist()
     k = min(k, logprobs.shape[-1])
-    top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
+    top = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top[0].tolist(), top[1].tolist()
 
     def entry(token_id: int, logprob: float) -> dict:
         text = tokenizer.decode([token_id], skip_special_tokens=False)

@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmcli.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from lmcli.models.base import BaseModel
 
 # Non-parameter buffers that real checkpoints carry (RoPE tables, GPT-2's causal mask); recognised and skipped.
 IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(bias|masked_bias))$")
@@ -64,7 +68,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
     return tensors, origin
 
 
-def fill_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str,
+def fill_model(model: BaseModel, tensors: dict[str, torch.Tensor], source: str,
                origin: dict[str, Path] | None = None) -> None:
     """Assign checkpoint tensors to the model's parameters by name, accounting for every one.
 

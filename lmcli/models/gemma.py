@@ -35,7 +35,7 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     fields = common_decoder_fields(hf)
     fields["head_dim"] = int(hf.get("head_dim") or 256)
     fields["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings", True))
-    traits = dict(
+    traits: dict[str, Any] = dict(
         architecture="gemma",
         norm_unit_offset=True,
         scale_embeddings=True,

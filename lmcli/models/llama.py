@@ -101,7 +101,7 @@ def llama3_rope_scaling(rope_factors: torch.Tensor, theta: float, head_dim: int,
     low = 1.0
     high = low + low / offset
     old_ctx = slope * (high - low)
-    scaling = {"rope_type": "llama3", "factor": GGUFFile.fitted(factor), "low_freq_factor": low,
+    scaling: dict[str, Any] = {"rope_type": "llama3", "factor": GGUFFile.fitted(factor), "low_freq_factor": low,
                "high_freq_factor": GGUFFile.fitted(high), "original_max_position_embeddings": round(old_ctx)}
     rope = RopeConfig(theta=theta, **scaling)
     unscaled = rope_inverse_frequencies(RopeConfig(theta=theta), head_dim, scaling["original_max_position_embeddings"])

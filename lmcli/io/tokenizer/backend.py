@@ -3,6 +3,8 @@ BOS/EOS wrapping, and BPE merges implied by a vocabulary."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers, processors
 
@@ -31,7 +33,7 @@ def llama_text_handling(backend: Backend, add_prefix_space: bool, legacy: bool) 
     backend.decoder = decoders.Sequence(steps)
 
 
-def implied_merges(vocab: dict[str, int], scores: dict[str, float] | None = None) -> list[tuple[str, str]]:
+def implied_merges(vocab: dict[str, int], scores: Mapping[str, float] | None = None) -> list[tuple[str, str]]:
     """BPE merges recovered from a vocabulary that lists none, ranked as the reference ranks them.
 
     Every way to cut a token into two tokens of the vocabulary is a merge. Without scores the

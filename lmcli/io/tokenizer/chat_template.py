@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 
 @lru_cache(maxsize=8)
@@ -28,7 +28,7 @@ def _chat_environment() -> Any:
     class GenerationBlock(Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
         # only has to render its body.
-        tags: ClassVar[set[str]] = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares `tags` as this set attribute)
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as Backend
@@ -76,7 +76,9 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
     turn_ends = [int(metadata[key]) for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
                  if metadata.get(key) is not None]
     template = metadata.get("tokenizer.chat_template")
-    return Tokenizer(backend, **specials, chat_template=_text(template) if template else None,
+    return Tokenizer(backend, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
+                     unk_token=specials["unk_token"], pad_token=specials["pad_token"],
+                     chat_template=_text(template) if template else None,
                      extra_stop_ids=turn_ends, name=_text(metadata.get("general.name", "GGUF model")))
 
 
@@ -108,7 +110,7 @@ def _byte_level_backend(tokens: list[str], metadata: dict) -> Backend:
         vocab[spelled] = index
     raw_merges = metadata.get("tokenizer.ggml.merges")
     if raw_merges is not None:
-        merges = [tuple(_text(merge).split(" ")) for merge in raw_merges]
+        merges = [cast(tuple[str, str], tuple(_text(merge).split(" "))) for merge in raw_merges]
     else:
         merges = implied_merges(vocab)
     backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",

@@ -58,7 +58,9 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
 
     generation = _read_json(directory / "generation_config.json")
     return Tokenizer(
-        backend, **specials, chat_template=_chat_template_of(directory, config),
+        backend, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
+        unk_token=specials["unk_token"], pad_token=specials["pad_token"],
+        chat_template=_chat_template_of(directory, config),
         generation_eos=generation.get("eos_token_id"), name=str(directory),
     )
 
@@ -144,7 +146,7 @@ def read_spm_pieces(data: bytes) -> list[tuple[str, float, int]]:
     from google.protobuf.message import DecodeError
     from sentencepiece import sentencepiece_model_pb2
 
-    model = sentencepiece_model_pb2.ModelProto()
+    model = sentencepiece_model_pb2.ModelProto()  # type: ignore[attr-defined]  # a generated protobuf module
     try:
         model.ParseFromString(data)
     except DecodeError as exc:
