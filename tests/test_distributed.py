@@ -229,7 +229,7 @@ def test_data_parallel_job_gives_the_rows_of_one_process(one_process_job, tiny_c
 
 
 def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
-    """An interrupted 2-rank job (torn lines, a failed row) resumed by 3 ranks, then one leftover part
+    """An interrupted 3-rank job (torn lines, a failed row) resumed by 2 ranks, then one leftover part
     adopted by a one-process --resume: the same rows as one process, each once."""
     root, ids, rows = one_process_job
     lines = [json.dumps(rows[str(i)]) for i in ids]
@@ -237,9 +237,10 @@ def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
     output.write_text(lines[0] + "\n" + lines[5] + "\n" + lines[1][:20])  # a torn last line
     Path(f"{output}.part0").write_text(lines[2] + "\n" + lines[7][:9])
     Path(f"{output}.part1").write_text(json.dumps({"id": ids[3], "error": "killed", "input_hash": "x"}) + "\n")
+    Path(f"{output}.part2").write_text("")
     args = ["-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
             "--output", str(output), "-n", "10", "--batch-size", "3", "--resume"]
-    result = torchrun(3, *args, check=False)
+    result = torchrun(2, *args, check=False)
     assert "3 already done" in result.stderr
     merged = read_rows(output)
     assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
