@@ -25,6 +25,7 @@ import lmcli
 from lmcli.cli import app
 from lmcli.errors import UsageError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
 FULL = os.environ.get("LMCLI_TEST_FULL") == "1"
 
@@ -207,9 +208,9 @@ def read_rows(path: Path) -> list[dict]:
 def one_process_job(tmp_path_factory, tiny_checkpoint):
     root = tmp_path_factory.mktemp("job")
     ids = job_input(root / "in.jsonl")
-    result = run_lmcli("generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
-                       "--output", str(root / "one.jsonl"), "-n", "10", "--batch-size", "3")
-    assert result.returncode == 1, result.stderr  # the bad row
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--input", str(root / "in.jsonl"),
+                                      "--output", str(root / "one.jsonl"), "-n", "10", "--batch-size", "3"])
+    assert result.exit_code == 1, result.stderr  # the bad row
     rows = {str(row["id"]): row for row in read_rows(root / "one.jsonl")}
     assert len(rows) == len(ids) and sum("error" in row for row in rows.values()) == 1
     return root, ids, rows
@@ -248,8 +249,8 @@ def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
 
     output.write_text(lines[0] + "\n")
     Path(f"{output}.part1").write_text("\n".join(lines[1:4]) + "\n")
-    result = run_lmcli(*args[2:])
-    assert "4 already done" in result.stderr.decode()
+    result = CliRunner().invoke(app, args[2:])
+    assert "4 already done" in result.stderr
     merged = read_rows(output)
     assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
     assert not list(root.glob("resumed.jsonl.part*"))
