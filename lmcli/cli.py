@@ -152,6 +152,51 @@ DTypeOption = Annotated[
 ]
 
 
+# The generation flags `generate` and `chat` share (a test checks that chat has every one of generate's).
+MaxNewTokensOption = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
+]
+TemperatureOption = Annotated[
+    float | None,
+    typer.Option(
+        show_default=False, rich_help_panel=DECODING_PANEL,
+        help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
+    ),
+]
+TopKOption = Annotated[
+    int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
+]
+TopPOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
+]
+RepetitionPenaltyOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
+]
+GreedyOption = Annotated[
+    bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
+]
+StopOption = Annotated[
+    list[str] | None,
+    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+]
+IgnoreEosOption = Annotated[
+    bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
+]
+ColorProbsOption = Annotated[
+    bool,
+    typer.Option(
+        "--color-probs", metavar="", rich_help_panel=OUTPUT_PANEL,
+        help="In a terminal, colour each token by the probability the model gave it (red: unlikely).",
+    ),
+]
+
+
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
@@ -198,41 +243,15 @@ def generate(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
-    ] = DEFAULT_MAX_NEW_TOKENS,
-    temperature: Annotated[
-        float | None,
-        typer.Option(
-            show_default=False, rich_help_panel=DECODING_PANEL,
-            help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
-        ),
-    ] = None,
-    top_k: Annotated[
-        int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
-    ] = None,
-    top_p: Annotated[
-        float | None,
-        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
-    ] = None,
-    repetition_penalty: Annotated[
-        float | None,
-        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
-    ] = None,
-    greedy: Annotated[
-        bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
-    ] = False,
-    seed: Annotated[
-        int | None,
-        typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
-    ] = None,
-    stop: Annotated[
-        list[str] | None,
-        typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
-    ] = None,
-    ignore_eos: Annotated[
-        bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
-    ] = False,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    greedy: GreedyOption = False,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    ignore_eos: IgnoreEosOption = False,
     chat: Annotated[
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
     ] = False,
@@ -430,6 +449,89 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
     if report.failed:
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+@app.command()
+def chat(
+    ctx: typer.Context,
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    greedy: GreedyOption = False,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    ignore_eos: IgnoreEosOption = False,
+    system: Annotated[
+        str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="The system message.")
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            min=2, metavar="TOKENS", show_default=False, rich_help_panel=PROMPT_PANEL,
+            help="Most tokens the conversation keeps before its oldest turns are dropped"
+            " (default: the model's context, at most 4096).",
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=PROMPT_PANEL,
+            help="Continue a transcript saved with /save (its settings too, unless given as flags).",
+        ),
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", metavar="", rich_help_panel=OUTPUT_PANEL, help="In a terminal, show each finished reply rendered as Markdown.")
+    ] = False,
+    color_probs: ColorProbsOption = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="After each reply, print tokens, tokens/s and the prefill count on stderr.")
+    ] = False,
+) -> None:
+    """Talk with the model: a conversation over the checkpoint's chat template.
+
+    The conversation stays in the model's cache, so each turn processes only its new
+    tokens. Type /help for the commands. With stdin not a terminal, each line is a
+    message and only the replies are written, one after another:
+
+      printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
+    """
+    from lmcli.chat import ChatOptions, run_chat
+    from lmcli.jobs import GenerationSettings
+
+    settings = GenerationSettings.from_flags(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        chat=True,
+        system=system,
+    )
+    options = ChatOptions(
+        markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
+        explicit=frozenset(_explicit_settings(ctx)),
+    )
+    run_chat(lambda: _load(checkpoint, model, device, dtype), settings, options, checkpoint)
+
+
+def _explicit_settings(ctx: typer.Context) -> set[str]:
+    """The settings given on this command line (they win over those of a resumed transcript)."""
+    # By name: typer may bring its own copy of click, whose ParameterSource is another class.
+    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    return {"temperature" if name == "greedy" else name for name in given}
 
 
 # ----------------------------------------------------------------------------- models, info, bench
