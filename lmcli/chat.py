@@ -14,6 +14,7 @@ the same as a fresh run either way.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -541,7 +542,8 @@ class ChatRepl:
         if self.interactive:
             signal.signal(signal.SIGINT, lambda *_: self.session.request_stop())
         try:
-            turn = self.session.reply(message, view.write, logprobs=view.wants_logprobs)
+            with _no_echo(self.interactive):
+                turn = self.session.reply(message, view.write, logprobs=view.wants_logprobs)
         except BaseException:
             view.close()
             raise
@@ -557,6 +559,29 @@ class ChatRepl:
             self.note(_turn_summary(turn))
         if view.terminal:
             self.out.print()  # a blank line before the next prompt
+
+
+@contextlib.contextmanager
+def _no_echo(enabled: bool) -> Iterator[None]:
+    """While a reply streams, keys typed (and Ctrl-C's "^C") are not echoed into it; typed text
+    still reaches the next prompt."""
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd) if enabled else None
+    except (ImportError, OSError, ValueError):
+        saved = None
+    if saved is None:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
 
 
 class _ReplyView:
