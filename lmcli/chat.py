@@ -28,6 +28,7 @@ from typing import Any
 
 from lmcli.errors import LmcliError
 from lmcli.jobs import GenerationSettings, RowResult, generate_batch, prepare_row, require_chat_template
+from lmcli.streaming import PROBABILITY_COLOURS, ProbabilityShading, probability_style, visible_controls
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
@@ -605,8 +606,6 @@ class _ReplyView:
             self._live.start()
 
     def write(self, result: RowResult, piece: str) -> None:
-        from lmcli.streaming import visible_controls
-
         style = None
         if self._shading is not None:
             style = probability_style(self._shading.probability(result))
@@ -664,37 +663,6 @@ def _turn_summary(turn: Turn) -> str:
     reason = "Ctrl-C" if turn.interrupted else STOP_REASONS.get(result.finish_reason or "", str(result.finish_reason))
     parts.append(f"stopped: {reason}")
     return " · ".join(parts)
-
-
-# ----------------------------------------------------------------------------- probability colours
-
-# From least to most likely: a reader's eye goes to where the model was unsure.
-PROBABILITY_COLOURS = ((0.1, "bright_red"), (0.3, "dark_orange"), (0.6, "yellow"), (0.9, "green"))
-
-
-def probability_style(probability: float | None) -> str | None:
-    """The colour for text the model gave `probability`; None (plain) above 0.9."""
-    if probability is None:
-        return None
-    for bound, colour in PROBABILITY_COLOURS:
-        if probability < bound:
-            return colour
-    return None
-
-
-class ProbabilityShading:
-    """A streamed piece's probability: that of the least likely token behind it (a piece can join
-    several tokens, e.g. the bytes of one character). Reads the row's recorded logprobs."""
-
-    def __init__(self):
-        self._seen = 0
-
-    def probability(self, result: RowResult) -> float | None:
-        import math
-
-        steps = (result.logprobs or [])[self._seen:]
-        self._seen += len(steps)
-        return math.exp(min(step["logprob"] for step in steps)) if steps else None
 
 
 # ----------------------------------------------------------------------------- the command

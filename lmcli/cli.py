@@ -272,6 +272,7 @@ def generate(
     stats: Annotated[
         bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).")
     ] = False,
+    color_probs: ColorProbsOption = False,
     input_path: Annotated[
         Path | None,
         typer.Option(
@@ -335,7 +336,7 @@ def generate(
         _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
         return
     text = _read_prompt(prompt)
-    _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
+    _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
 
 
 def _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format) -> None:
@@ -369,23 +370,28 @@ def _read_prompt(prompt: str | None) -> str:
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
 
 
-def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
+def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False) -> None:
+    import dataclasses
     import json
 
     from rich.console import Console
 
     from lmcli.jobs import RowError, generate_batch, prepare_row, require_chat_template
-    from lmcli.streaming import PlainOutput, TerminalOutput
+    from lmcli.streaming import PlainOutput, ProbabilityShading, TerminalOutput, probability_style
 
     model, tokenizer = load()
     if settings.chat:
         require_chat_template(tokenizer)
+    terminal = sys.stdout.isatty()
+    # --color-probs: only for text in a terminal; the colours come from each token's recorded logprob.
+    shading = ProbabilityShading() if color_probs and terminal and output_format == OutputFormat.text else None
+    if shading is not None:
+        settings = dataclasses.replace(settings, logprobs=0)
     try:
         row = prepare_row(tokenizer, 1, prompt, settings)
     except RowError as e:
         raise UsageError(str(e)) from None
 
-    terminal = sys.stdout.isatty()
     if output_format == OutputFormat.jsonl:
         output, on_text = None, None
     else:
@@ -393,8 +399,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
         # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
         output.prompt(prompt + "\n" if settings.chat else prompt)
 
-        def on_text(_result, piece: str) -> None:
-            output.write(piece)
+        def on_text(result, piece: str) -> None:
+            if shading is not None and isinstance(output, TerminalOutput):
+                output.write(piece, probability_style(shading.probability(result)))
+            else:
+                output.write(piece)
 
     try:
         [result] = generate_batch(model, tokenizer, [row], on_text=on_text)

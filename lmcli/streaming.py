@@ -16,6 +16,7 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from typing import IO
@@ -147,8 +148,8 @@ class TerminalOutput:
     def prompt(self, text: str) -> None:
         self._print(text, style="dim")
 
-    def write(self, text: str) -> None:
-        self._print(text)
+    def write(self, text: str, style: str | None = None) -> None:
+        self._print(text, style)
 
     def end(self) -> None:
         self._console.print()
@@ -169,3 +170,32 @@ _CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not 
 
 def visible_controls(text: str) -> str:
     return text.translate(_CONTROL_PICTURES)
+
+
+# ----------------------------------------------------------------------------- probability colours
+
+# From least to most likely: a reader's eye goes to where the model was unsure.
+PROBABILITY_COLOURS = ((0.1, "bright_red"), (0.3, "dark_orange"), (0.6, "yellow"), (0.9, "green"))
+
+
+def probability_style(probability: float | None) -> str | None:
+    """The colour for text the model gave `probability`; None (plain) above 0.9."""
+    if probability is None:
+        return None
+    for bound, colour in PROBABILITY_COLOURS:
+        if probability < bound:
+            return colour
+    return None
+
+
+class ProbabilityShading:
+    """A streamed piece's probability: that of the least likely token behind it (a piece can join
+    several tokens, e.g. the bytes of one character). Reads the row's recorded logprobs."""
+
+    def __init__(self):
+        self._seen = 0
+
+    def probability(self, result) -> float | None:
+        steps = (result.logprobs or [])[self._seen:]
+        self._seen += len(steps)
+        return math.exp(min(step["logprob"] for step in steps)) if steps else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import re
 import select
@@ -19,6 +20,7 @@ import sys
 import termios
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -64,11 +66,11 @@ class CharTokenizer:
     template of role markers. Over tests/tiny.py's 97-token vocabulary: 2 is EOS, 3-5 mark roles."""
 
     chat_template = "<role> content </s> ... (rendered in encode_chat)"
-    eos_token_ids = [2]
+    eos_token_ids: ClassVar[list[int]] = [2]
     pad_token_id = 0
     special_ids = frozenset({2})
     OFFSET = 0x400  # ids map to Cyrillic letters and beyond: printable, one character each
-    ROLES = {"system": 3, "user": 4, "assistant": 5}
+    ROLES: ClassVar[dict[str, int]] = {"system": 3, "user": 4, "assistant": 5}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) - self.OFFSET for c in text]
@@ -83,7 +85,7 @@ class CharTokenizer:
         ids = [1]
         for message in messages:
             ids += [self.ROLES[message["role"]], *self.encode(message["content"]), 2]
-        return ids + [self.ROLES["assistant"]] if add_generation_prompt else ids
+        return [*ids, self.ROLES["assistant"]] if add_generation_prompt else ids
 
     def text(self, *ids: int) -> str:
         return "".join(chr(self.OFFSET + i) for i in ids)
@@ -176,7 +178,7 @@ def test_an_outgrown_context_drops_the_oldest_turns_keeping_the_system_message(t
 def test_a_message_too_long_for_the_context_is_refused(tiny_models):
     tokenizer = CharTokenizer()
     session = ChatSession(tiny_models("llama"), tokenizer, greedy(8), context=32)
-    with pytest.raises(ChatError, match="does not fit.*32-token context"):
+    with pytest.raises(ChatError, match=r"does not fit.*32-token context"):
         session.reply(tokenizer.text(*range(10, 40)))
     assert session.messages == []
 
@@ -266,8 +268,9 @@ def test_generate_on_a_chat_model_is_raw_completion_unless_chat(tiny_checkpoint)
 
 
 def test_chat_has_every_generation_flag_of_generate():
-    from lmcli.cli import app
     from typer.main import get_command
+
+    from lmcli.cli import app
 
     commands = get_command(app).commands
     shared_panels = ("Decoding", "Stopping")
@@ -321,7 +324,7 @@ class Terminal:
             return ANSI.sub("", self.raw[self.mark:].decode("utf-8", "replace")).replace("\r", "")
 
         while len(re.findall(pattern, since_mark())) < count:
-            if time.monotonic() > deadline or self.proc.poll() is not None and not self._read(0):
+            if time.monotonic() > deadline or (self.proc.poll() is not None and not self._read(0)):
                 raise AssertionError(f"no {pattern!r} (x{count}) in the terminal:\n{self.screen[-3000:]}")
             self._read(0.2)
         return self.screen
@@ -418,7 +421,7 @@ def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, tmp_pat
     term.send("\x03")
     term.wait_for(r"\[interrupted\][^>]*>>> ")
     term.send("/set max_new_tokens 4\r")
-    term.wait_for("max_new_tokens 4")
+    term.wait_for("max_new_tokens 4 ·")  # the settings line, not the echo
     term.send("Thanks!\r")
     term.wait_for(">>> ")
     term.send("/save t.json\r")
@@ -440,7 +443,7 @@ def test_probability_colours_and_shading():
         "bright_red", "dark_orange", "yellow", "green", None, None]
 
     class Result:
-        logprobs = [{"logprob": -0.01}, {"logprob": -3.0}]
+        logprobs: ClassVar[list[dict]] = [{"logprob": -0.01}, {"logprob": -3.0}]
 
     shading = ProbabilityShading()
     # A piece made of two tokens takes the less likely one's probability; the next piece only its own.
@@ -450,18 +453,31 @@ def test_probability_colours_and_shading():
     assert shading.probability(Result()) is None
 
 
-def test_color_probs_in_a_terminal_shades_the_streamed_text(tiny_checkpoint, tmp_path):
+def sgr_code(colour: str) -> str:
+    """The escape code rich writes for `colour` on a 256-colour terminal (as the pty's TERM says)."""
+    import io
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    Console(file=out, force_terminal=True, color_system="256").print("x", style=colour, end="")
+    return re.findall(r"\x1b\[([0-9;]+)m", out.getvalue())[0]
+
+
+def test_color_probs_in_a_terminal_shades_the_streamed_text(tiny_checkpoint):
+    from lmcli.streaming import visible_controls
+
     prompt = "Hello world"
-    plain = run_lmcli("generate", "-c", str(tiny_checkpoint), "--greedy", "-n", "12", "--format", "jsonl",
-                      "--logprobs", "0", prompt)
-    row = json.loads(plain.stdout)
+    row = json.loads(cli("generate", "-c", tiny_checkpoint, "--greedy", "-n", "12", "--format", "jsonl",
+                         "--logprobs", "0", prompt).stdout)
     term = Terminal("generate", "-c", str(tiny_checkpoint), "--greedy", "-n", "12", "--color-probs", prompt)
     term.wait_for("stopped:")
     term.finish()
-    text = term.raw.decode("utf-8", "replace")
-    colours = set(re.findall(r"\x1b\[([0-9;]+)m", text))
-    expected_colours = {probability_style(torch.tensor(step["logprob"]).exp().item()) for step in row["logprobs"]}
-    # Some token was below 0.9 (random weights), so some colour other than the dim prompt appears.
-    assert expected_colours - {None}
-    assert colours - {"2", "0"}
-    assert row["completion"].replace("\n", "") in term.screen.replace("\n", "")
+    # Each piece takes the colour of its least likely token, so every colour shown is one that some
+    # token's probability (from the JSON logprobs, computed apart from the colouring) calls for.
+    expected = {probability_style(math.exp(step["logprob"])) for step in row["logprobs"]} - {None}
+    assert expected, "every token had p >= 0.9: nothing to colour"
+    streamed = term.raw.decode("utf-8", "replace").rpartition(prompt)[2]  # after the (dim) prompt echo
+    shown = set(re.findall(r"\x1b\[([0-9;]+)m", streamed)) - {"0", "2"}
+    assert shown and shown <= {sgr_code(colour) for colour in expected}
+    assert visible_controls(row["completion"]) in term.screen
