@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import select
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -366,16 +365,13 @@ def read_terminal_message(prompt: str = ">>> ", more: str = "... ") -> str:
     """One message from a person at a terminal (readline editing and history).
 
     A line opening with \"\"\" starts a multi-line message that ends at a line closing with \"\"\".
-    Lines pasted together arrive as one message: a bracketed paste (readline >= 8.1) does that
-    itself; otherwise the lines already waiting on stdin after the first are joined to it.
-    Raises EOFError on Ctrl-D and KeyboardInterrupt on Ctrl-C, as input() does."""
+    Pasted lines arrive as one message through readline's bracketed paste (on by default since
+    readline 8.1): the paste is inserted whole and sent with Enter. Lines typed ahead while a reply
+    streams stay separate messages. Raises EOFError on Ctrl-D and KeyboardInterrupt on Ctrl-C."""
     first = input(prompt)
     if first.lstrip().startswith(FENCE):
         return _read_fenced(first.lstrip()[len(FENCE):], lambda: input(more))
-    lines = [first]
-    while _input_waiting():
-        lines.append(input(more))
-    return "\n".join(lines)
+    return first
 
 
 def _read_fenced(rest: str, next_line: Callable[[], str]) -> str:
@@ -388,13 +384,6 @@ def _read_fenced(rest: str, next_line: Callable[[], str]) -> str:
             lines.append(line.rstrip()[: -len(FENCE)])
             return "\n".join(lines).strip("\n")
         lines.append(line)
-
-
-def _input_waiting() -> bool:
-    try:
-        return bool(select.select([sys.stdin], [], [], 0.02)[0])
-    except (OSError, ValueError):
-        return False
 
 
 def piped_messages(stream) -> Iterator[str]:
@@ -464,7 +453,12 @@ class ChatRepl:
                     break
 
     def _run_interactive(self) -> None:
-        import readline  # noqa: F401  (importing it gives input() line editing and history)
+        import readline  # importing it gives input() line editing and history
+
+        if "libedit" not in (readline.__doc__ or ""):
+            # A paste arrives whole, newlines and all, and is sent with Enter. (Python turns this off
+            # for its own REPL, which cannot take several lines at once; a chat message can.)
+            readline.parse_and_bind("set enable-bracketed-paste on")
 
         while True:
             try:

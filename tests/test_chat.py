@@ -352,11 +352,11 @@ class Terminal:
 def test_repl_in_a_terminal_with_commands_save_and_resume(tiny_checkpoint, tmp_path):
     model, tokenizer = lmcli.load(tiny_checkpoint)
     n = 5
-    system, u1, u2, u3 = "Be brief.", "Hello there", "And again?", "One more"
+    system, u1, u2, u3 = "Be brief.", "Hello\nthere", "And again?", "One more"
 
     term = Terminal("chat", "-c", str(tiny_checkpoint), "--greedy", "-n", str(n), cwd=tmp_path)
     term.wait_for(">>> ")
-    term.send(f"{u1}\r")
+    term.send("\x1b[200~Hello\nthere\x1b[201~\r")  # a bracketed paste of two lines, then Enter
     term.wait_for(">>> ")
     term.send(f"/system {system}\r")
     term.wait_for("system message set")
