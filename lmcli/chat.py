@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
 from lmcli.errors import LmcliError
-from lmcli.jobs import GenerationSettings, RowResult, generate_batch, prepare_row, require_chat_template
-from lmcli.streaming import PROBABILITY_COLOURS, ProbabilityShading, probability_style, visible_controls
+from lmcli.generation.rows import RowResult, generate_batch, prepare_row, require_chat_template
+from lmcli.settings import GenerationSettings
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
@@ -231,7 +232,7 @@ class ChatSession:
         return common
 
     def _has_rolling_layers(self) -> bool:
-        from lmcli.generation.cache import RollingKVCache
+        from lmcli.models.cache import RollingKVCache
 
         return self._cache is not None and any(isinstance(layer, RollingKVCache) for layer in self._cache.layers)
 
@@ -645,18 +646,8 @@ def _show(value: Any) -> str:
 
 
 def _turn_summary(turn: Turn) -> str:
-    from lmcli.cli import STOP_REASONS
-
-    result = turn.result
-    tokens = len(result.tokens)
-    seconds = max((result.finished_at or result.started) - result.started, 1e-9)
-    parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s",
-             f"prefill {turn.prefill_tokens} of {turn.prompt_tokens} tokens"]
-    if result.first_token_at is not None:
-        parts.append(f"{(result.first_token_at - result.started) * 1000:.0f} ms to first token")
-    reason = "Ctrl-C" if turn.interrupted else STOP_REASONS.get(result.finish_reason or "", str(result.finish_reason))
-    parts.append(f"stopped: {reason}")
-    return " · ".join(parts)
+    # How much of the conversation the model had to process: the rest came from the cache.
+    return f"{row_summary(turn.result)} · prefill {turn.prefill_tokens} of {turn.prompt_tokens} tokens"
 
 
 # ----------------------------------------------------------------------------- the command

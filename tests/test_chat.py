@@ -29,8 +29,9 @@ from real_models import smollm2_gguf  # noqa: F401
 from tiny import save_reference
 
 import lmcli
-from lmcli.chat import ChatError, ChatSession, ProbabilityShading, piped_messages, probability_style
-from lmcli.jobs import GenerationSettings
+from lmcli.chat import ChatError, ChatSession, piped_messages
+from lmcli.console import ProbabilityShading, probability_style
+from lmcli.settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -465,7 +466,7 @@ def sgr_code(colour: str) -> str:
 
 
 def test_color_probs_in_a_terminal_shades_the_streamed_text(tiny_checkpoint):
-    from lmcli.streaming import visible_controls
+    from lmcli.console import visible_controls
 
     prompt = "Hello world"
     row = json.loads(cli("generate", "-c", tiny_checkpoint, "--greedy", "-n", "12", "--format", "jsonl",
