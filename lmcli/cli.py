@@ -514,7 +514,11 @@ def chat(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
         explicit=frozenset(_explicit_settings(ctx)),
     )
-    run_chat(lambda: _load(checkpoint, model, device, dtype), settings, options, checkpoint)
+    try:
+        run_chat(lambda: _load(checkpoint, model, device, dtype), settings, options, checkpoint)
+    except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
+        sys.stderr.write("\ninterrupted\n")
+        raise typer.Exit(130) from None
 
 
 def _explicit_settings(ctx: typer.Context) -> set[str]:

@@ -394,8 +394,13 @@ def test_repl_in_a_terminal_with_commands_save_and_resume(tiny_checkpoint, tmp_p
         *messages, {"role": "assistant", "content": r3}]
 
 
-def test_real_model_second_turn_processes_only_its_new_tokens(smollm2_gguf):
-    model, tokenizer = lmcli.load(smollm2_gguf)
+@pytest.fixture(scope="module")
+def smollm2(smollm2_gguf):
+    return lmcli.load(smollm2_gguf)
+
+
+def test_real_model_second_turn_processes_only_its_new_tokens(smollm2):
+    model, tokenizer = smollm2
     n = 24
     session = ChatSession(model, tokenizer, greedy(n), context=512)
     u1, u2 = "What is the capital of France?", "And of Italy?"
@@ -414,7 +419,7 @@ def test_real_model_second_turn_processes_only_its_new_tokens(smollm2_gguf):
     assert "Rome" in second.reply
 
 
-def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, tmp_path):
+def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, smollm2, tmp_path):
     term = Terminal("chat", "-c", str(smollm2_gguf), "--greedy", "-n", "300", "--ignore-eos", cwd=tmp_path)
     term.wait_for(">>> ")
     term.send("Tell me a long story about a cat.\r")
@@ -430,7 +435,7 @@ def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, tmp_pat
     assert term.finish() == 0, screen
     messages = json.loads((tmp_path / "t.json").read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
-    _, tokenizer = lmcli.load(smollm2_gguf)
+    _, tokenizer = smollm2
     # The interrupted reply is kept as far as it got: well short of its 300 tokens.
     assert 0 < len(tokenizer.encode(messages[1]["content"])) < 200
     assert 0 < len(tokenizer.encode(messages[3]["content"])) <= 4
