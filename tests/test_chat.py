@@ -487,3 +487,21 @@ def test_color_probs_in_a_terminal_shades_the_streamed_text(tiny_checkpoint):
     shown = set(re.findall(r"\x1b\[([0-9;]+)m", streamed)) - {"0", "2"}
     assert shown and shown <= {sgr_code(colour) for colour in expected}
     assert visible_controls(row["completion"]) in term.screen
+
+
+def test_markdown_redraws_the_finished_reply_rendered():
+    import io
+
+    from rich.console import Console
+
+    from lmcli.chat import ChatOptions, _ReplyView
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=60, color_system=None)
+    view = _ReplyView(console, terminal=True, options=ChatOptions(markdown=True))
+    reply = "Rivers:\n\n- **Danube**\n- Rhine"
+    for piece in ("Rivers:\n\n", "- **Danube**\n", "- Rhine"):
+        view.write(None, piece)
+    view.end(reply, interrupted=False)
+    final = ANSI.sub("", out.getvalue()).rpartition("Rivers:")[2]  # the last redraw of the live region
+    assert "• Danube" in final and "• Rhine" in final and "**" not in final
