@@ -184,8 +184,12 @@ class ChatSession:
                     cached=reused, **kwargs,
                 )
 
-        self._cached_ids = []  # unknown until the run returns (an exception leaves the cache unusable)
-        [result] = generate_batch(self.model, self.tokenizer, [row], on_text=on_text, run=run)
+        self._cached_ids = []  # unknown until the run returns
+        try:
+            [result] = generate_batch(self.model, self.tokenizer, [row], on_text=on_text, run=run)
+        except BaseException:
+            self._cache = None  # what a failed run left in it is unknown (a ring may hold stray slots)
+            raise
         self._cached_ids = (ids + result.tokens)[:cached_after]
         if stopped_early:
             result.finish_reason = "interrupted"
