@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
-from lmcli.errors import LmcliError
-from lmcli.generation.rows import RowResult, generate_batch, prepare_row, require_chat_template
+from lmcli.errors import LmcliError, TokenizerError
+from lmcli.generation.rows import RowResult, generate_batch, prepare_row
 from lmcli.settings import GenerationSettings
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
@@ -65,7 +65,9 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, settings: GenerationSettings, *, context: int | None = None,
                  system: str | None = None, messages: list[dict] | None = None):
-        require_chat_template(tokenizer)
+        if not getattr(tokenizer, "chat_template", None):
+            raise TokenizerError("this checkpoint's tokenizer has no chat template, so it cannot chat;"
+                                 " 'lmcli generate' completes plain text")
         self.model, self.tokenizer = model, tokenizer
         model_context = model.config.max_position_embeddings
         if context is not None and context > model_context:

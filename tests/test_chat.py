@@ -505,3 +505,17 @@ def test_markdown_redraws_the_finished_reply_rendered():
     view.end(reply, interrupted=False)
     final = ANSI.sub("", out.getvalue()).rpartition("Rivers:")[2]  # the last redraw of the live region
     assert "• Danube" in final and "• Rhine" in final and "**" not in final
+
+
+def test_a_checkpoint_without_a_chat_template_cannot_chat(tiny_checkpoint, tmp_path):
+    import shutil
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_checkpoint, plain)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    result = cli("chat", "-c", plain, input="Hi\n")
+    assert result.exit_code == 1
+    assert result.stderr == ("error: this checkpoint's tokenizer has no chat template, so it cannot chat;"
+                             " 'lmcli generate' completes plain text\n")
