@@ -28,7 +28,7 @@ from typing import Any
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
 from lmcli.errors import LmcliError, TokenizerError
 from lmcli.generation.rows import RowResult, generate_batch, prepare_row
-from lmcli.settings import GenerationSettings
+from lmcli.settings import DEFAULT_TEMPERATURE, GenerationSettings
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
@@ -124,7 +124,7 @@ class ChatSession:
         """`/set NAME VALUE`: one sampling setting, parsed by its type and validated like a flag."""
         field_name = name.strip().lstrip("-").replace("-", "_")
         if field_name == "greedy":
-            field_name, value = "temperature", "0" if _parse_bool(value, name) else "1"
+            field_name, value = "temperature", "0" if _parse_bool(value, name) else str(DEFAULT_TEMPERATURE)
         fields = {f.name: f for f in dataclasses.fields(GenerationSettings) if f.name not in NOT_SETTABLE}
         if field_name not in fields:
             raise ChatError(f"unknown setting '{name}' (one of: {', '.join(fields)})")

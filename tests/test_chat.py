@@ -195,6 +195,10 @@ def test_set_changes_any_sampling_setting_and_validates_it(tiny_models):
     assert (session.settings.repetition_penalty, session.settings.max_new_tokens) == (1.3, 10)
     session.set_setting("top_p", "none")
     assert session.settings.top_p is None
+    session.set_setting("greedy", "on")
+    assert session.settings.greedy
+    session.set_setting("greedy", "off")
+    assert session.settings.temperature == GenerationSettings().temperature  # back to the default
     for name, value, message in [
         ("top_p", "2", "top_p must be in"),
         ("temperature", "hot", "cannot read 'hot'"),
