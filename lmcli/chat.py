@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
-from lmcli.errors import LmcliError, TokenizerError
+from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.generation.rows import RowResult, generate_batch, prepare_row
 from lmcli.settings import DEFAULT_TEMPERATURE, GenerationSettings
 
@@ -71,10 +71,10 @@ class ChatSession:
         self.model, self.tokenizer = model, tokenizer
         model_context = model.config.max_position_embeddings
         if context is not None and context > model_context:
-            raise ChatError(f"--context {context} is more than the model's context ({model_context} tokens)")
+            raise UsageError(f"--context {context} is more than the model's context ({model_context} tokens)")
         self.context = context or min(model_context, DEFAULT_CONTEXT)
         self.settings = settings
-        self._check_room(settings)
+        self._check_room(settings, "--max-new-tokens", UsageError)
         self.messages: list[dict] = check_messages(messages or [], "messages")
         if system is not None:
             self.set_system(system)
@@ -131,14 +131,14 @@ class ChatSession:
         parsed = _parse_setting(field_name, str(fields[field_name].type), value)
         settings = dataclasses.replace(self.settings, **{field_name: parsed})
         settings.check(lambda n: n, ChatError)
-        self._check_room(settings)
+        self._check_room(settings, "max_new_tokens", ChatError)
         self.settings = settings
         return settings
 
-    def _check_room(self, settings: GenerationSettings) -> None:
+    def _check_room(self, settings: GenerationSettings, name: str, error: type[LmcliError]) -> None:
         if settings.max_new_tokens >= self.context:
-            raise ChatError(
-                f"max_new_tokens {settings.max_new_tokens} leaves no room for the conversation in the"
+            raise error(
+                f"{name} {settings.max_new_tokens} leaves no room for the conversation in the"
                 f" {self.context}-token context; lower it or raise --context"
             )
 

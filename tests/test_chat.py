@@ -523,3 +523,13 @@ def test_a_checkpoint_without_a_chat_template_cannot_chat(tiny_checkpoint, tmp_p
     assert result.exit_code == 1
     assert result.stderr == ("error: this checkpoint's tokenizer has no chat template, so it cannot chat;"
                              " 'lmcli generate' completes plain text\n")
+
+
+def test_context_flags_are_checked_against_the_model(tiny_checkpoint):
+    result = cli("chat", "-c", tiny_checkpoint, "--context", "1024", input="Hi\n")
+    assert result.exit_code == 2
+    assert result.stderr == "error: --context 1024 is more than the model's context (512 tokens)\n"
+    result = cli("chat", "-c", tiny_checkpoint, "--context", "64", "-n", "64", input="Hi\n")
+    assert result.exit_code == 2 and result.stderr == (
+        "error: --max-new-tokens 64 leaves no room for the conversation in the 64-token context;"
+        " lower it or raise --context\n")
