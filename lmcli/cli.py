@@ -157,6 +157,51 @@ DTypeOption = Annotated[
 ]
 
 
+# The generation flags `generate` and `chat` share (a test checks that chat has every one of generate's).
+MaxNewTokensOption = Annotated[
+    int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
+]
+TemperatureOption = Annotated[
+    float | None,
+    typer.Option(
+        show_default=False, rich_help_panel=DECODING_PANEL,
+        help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
+    ),
+]
+TopKOption = Annotated[
+    int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
+]
+TopPOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
+]
+RepetitionPenaltyOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
+]
+GreedyOption = Annotated[
+    bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
+]
+SeedOption = Annotated[
+    int | None,
+    typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
+]
+StopOption = Annotated[
+    list[str] | None,
+    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+]
+IgnoreEosOption = Annotated[
+    bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
+]
+ColorProbsOption = Annotated[
+    bool,
+    typer.Option(
+        "--color-probs", metavar="", rich_help_panel=OUTPUT_PANEL,
+        help="In a terminal, colour each token by the probability the model gave it (red: unlikely).",
+    ),
+]
+
+
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
           tp: int | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
@@ -197,41 +242,15 @@ def generate(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
-    ] = DEFAULT_MAX_NEW_TOKENS,
-    temperature: Annotated[
-        float | None,
-        typer.Option(
-            show_default=False, rich_help_panel=DECODING_PANEL,
-            help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
-        ),
-    ] = None,
-    top_k: Annotated[
-        int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
-    ] = None,
-    top_p: Annotated[
-        float | None,
-        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
-    ] = None,
-    repetition_penalty: Annotated[
-        float | None,
-        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
-    ] = None,
-    greedy: Annotated[
-        bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
-    ] = False,
-    seed: Annotated[
-        int | None,
-        typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
-    ] = None,
-    stop: Annotated[
-        list[str] | None,
-        typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
-    ] = None,
-    ignore_eos: Annotated[
-        bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
-    ] = False,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    greedy: GreedyOption = False,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    ignore_eos: IgnoreEosOption = False,
     chat: Annotated[
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
     ] = False,
@@ -252,6 +271,7 @@ def generate(
     stats: Annotated[
         bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).")
     ] = False,
+    color_probs: ColorProbsOption = False,
     input_path: Annotated[
         Path | None,
         typer.Option(
@@ -323,7 +343,7 @@ def generate(
             _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp)
             return
         text = _read_prompt(prompt)
-        _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
+        _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
 
 
 @contextlib.contextmanager
@@ -377,22 +397,34 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
+def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False) -> None:
+    import dataclasses
     import json
 
-    from lmcli.console import PlainOutput, TerminalOutput, print_dim, row_summary
+    from lmcli.console import (
+        PlainOutput,
+        ProbabilityShading,
+        TerminalOutput,
+        print_dim,
+        probability_style,
+        row_summary,
+    )
     from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
     from lmcli.settings import RowError
 
     model, tokenizer = load()
     if settings.chat:
         require_chat_template(tokenizer)
+    terminal = sys.stdout.isatty()
+    # --color-probs: only for text in a terminal; the colours come from each token's recorded logprob.
+    shading = ProbabilityShading() if color_probs and terminal and output_format == OutputFormat.text else None
+    if shading is not None:
+        settings = dataclasses.replace(settings, logprobs=0)
     try:
         row = prepare_row(tokenizer, 1, prompt, settings)
     except RowError as e:
         raise UsageError(str(e)) from None
 
-    terminal = sys.stdout.isatty()
     if output_format == OutputFormat.jsonl:
         output, on_text = None, None
     else:
@@ -400,8 +432,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
         # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
         output.prompt(prompt + "\n" if settings.chat else prompt)
 
-        def on_text(_result, piece: str) -> None:
-            output.write(piece)
+        def on_text(result, piece: str) -> None:
+            if shading is not None and isinstance(output, TerminalOutput):
+                output.write(piece, probability_style(shading.probability(result)))
+            else:
+                output.write(piece)
 
     try:
         [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
@@ -448,6 +483,93 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         if quiet:
             raise typer.Exit(1)  # rank 0 says why
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+@app.command()
+def chat(
+    ctx: typer.Context,
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    temperature: TemperatureOption = None,
+    top_k: TopKOption = None,
+    top_p: TopPOption = None,
+    repetition_penalty: RepetitionPenaltyOption = None,
+    greedy: GreedyOption = False,
+    seed: SeedOption = None,
+    stop: StopOption = None,
+    ignore_eos: IgnoreEosOption = False,
+    system: Annotated[
+        str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="The system message.")
+    ] = None,
+    context: Annotated[
+        int | None,
+        typer.Option(
+            min=2, metavar="TOKENS", show_default=False, rich_help_panel=PROMPT_PANEL,
+            help="Most tokens the conversation keeps before its oldest turns are dropped"
+            " (default: the model's context, at most 4096).",
+        ),
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=PROMPT_PANEL,
+            help="Continue a transcript saved with /save (its settings too, unless given as flags).",
+        ),
+    ] = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", metavar="", rich_help_panel=OUTPUT_PANEL, help="In a terminal, show each finished reply rendered as Markdown.")
+    ] = False,
+    color_probs: ColorProbsOption = False,
+    stats: Annotated[
+        bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="After each reply, print tokens, tokens/s and the prefill count on stderr.")
+    ] = False,
+) -> None:
+    """Talk with the model: a conversation over the checkpoint's chat template.
+
+    The conversation stays in the model's cache, so each turn processes only its new
+    tokens. Type /help for the commands. With stdin not a terminal, each line is a
+    message and only the replies are written, one after another:
+
+      printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
+    """
+    from lmcli.chat import ChatOptions, run_chat
+    from lmcli.settings import GenerationSettings
+
+    settings = GenerationSettings.from_flags(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=stop,
+        ignore_eos=ignore_eos,
+        chat=True,
+        system=system,
+    )
+    options = ChatOptions(
+        markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
+        explicit=frozenset(_explicit_settings(ctx)),
+    )
+    try:
+        run_chat(lambda: _load(checkpoint, model, device, dtype), settings, options, checkpoint)
+    except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
+        sys.stderr.write("\ninterrupted\n")
+        raise typer.Exit(130) from None
+
+
+def _explicit_settings(ctx: typer.Context) -> set[str]:
+    """The settings given on this command line (they win over those of a resumed transcript)."""
+    # By name: typer may bring its own copy of click, whose ParameterSource is another class.
+    given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
+    return {"temperature" if name == "greedy" else name for name in given}
 
 
 # ----------------------------------------------------------------------------- models, info, bench

@@ -4,18 +4,20 @@
   prompt in a terminal; bare text, flushed piece by piece, in a pipe.
 - `JobProgress` is a batch job's progress bar on stderr.
 - `row_summary` / `job_summary` are the dim lines printed after a run.
+- `probability_style` / `ProbabilityShading` colour streamed text by probability (--color-probs).
 
 rich is imported only when something is shown, to keep `import lmcli` quick.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
 from typing import IO, Any
 
-STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
+STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string", "interrupted": "Ctrl-C"}
 
 
 class PlainOutput:
@@ -48,8 +50,8 @@ class TerminalOutput:
     def prompt(self, text: str) -> None:
         self._print(text, style="dim")
 
-    def write(self, text: str) -> None:
-        self._print(text)
+    def write(self, text: str, style: str | None = None) -> None:
+        self._print(text, style)
 
     def end(self) -> None:
         self._console.print()
@@ -138,3 +140,30 @@ def print_dim(line: str) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
+
+
+# From least to most likely: a reader's eye goes to where the model was unsure.
+PROBABILITY_COLOURS = ((0.1, "bright_red"), (0.3, "dark_orange"), (0.6, "yellow"), (0.9, "green"))
+
+
+def probability_style(probability: float | None) -> str | None:
+    """The colour for text the model gave `probability`; None (plain) from 0.9 up."""
+    if probability is None:
+        return None
+    for bound, colour in PROBABILITY_COLOURS:
+        if probability < bound:
+            return colour
+    return None
+
+
+class ProbabilityShading:
+    """A streamed piece's probability: that of the least likely token behind it (a piece can join
+    several tokens, e.g. the bytes of one character). Reads the row's recorded logprobs."""
+
+    def __init__(self):
+        self._seen = 0
+
+    def probability(self, result: Any) -> float | None:
+        steps = (result.logprobs or [])[self._seen:]
+        self._seen += len(steps)
+        return math.exp(min(step["logprob"] for step in steps)) if steps else None

@@ -65,7 +65,27 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
 
     The contract (return value, seeds, EOS and padding, caches, hooks) is the README's "generate()" section.
     """
+    ids, _ = generate_from_cache(
+        model, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache, attention_mask, eos_token_id,
+        pad_token_id, seed=seed, logits_processors=logits_processors, on_token=on_token, ignore_output=ignore_output,
+    )
+    return None if ignore_output else ids
+
+
+def generate_from_cache(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+                        attention_mask: torch.Tensor | None = None, eos_token_id=None,
+                        pad_token_id: int | None = None, *, seed=None, logits_processors=None,
+                        on_token: Callable[[TokenEvent], Any] | None = None, ignore_output: bool = False,
+                        cache=None, cached: int = 0) -> tuple[torch.Tensor, int]:
+    """generate(), continuing from `cache`, which already holds the keys and values of x's first `cached`
+    columns (from an earlier call over the same leading ids; a chat keeps its conversation this way).
+    Without a cache one is allocated. Returns the ids as generate() returns them (with `ignore_output`,
+    the history it kept) and how many leading columns of the text (x, then the new tokens) the cache
+    now holds. A given cache must have room for x and max_new_tokens, up to max_position_embeddings."""
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
+    if not 0 <= cached < x.shape[1] or (cached and cache is None):
+        raise ValueError(f"cached must be in [0, {x.shape[1]}) and needs a cache, got {cached}")
     transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
     processors = list(logits_processors or [])
     eos = eos_id_list(eos_token_id)
@@ -88,11 +108,12 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     generators = row_generators(seed, batch, device) if do_sample else []
 
     parallel = getattr(model, "tensor_parallel", None)  # see lmcli.distributed
-    cache = model.init_cache(batch, min(total, max_positions)) if use_cache else None
+    if cache is None and use_cache:
+        cache = model.init_cache(batch, min(total, max_positions))
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.zeros(batch, dtype=torch.long, device=device)
     length = prompt_len  # columns written so far
-    cached = 0  # columns whose keys/values are in the cache
+    # `cached`: columns whose keys/values are in the cache
 
     for step in range(max_new_tokens):
         if cache is not None and length <= max_positions:
@@ -149,4 +170,4 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
         if bool(finished.all()):
             break
 
-    return None if ignore_output else ids[:, :length]
+    return ids[:, :length], cached

@@ -41,9 +41,10 @@ def require_chat_template(tokenizer) -> None:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
-def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None) -> PreparedRow:
-    """Tokenise a prompt and fix its seed; raises RowError for an empty prompt."""
-    ids = encode_prompt(tokenizer, prompt, settings)
+def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None,
+                prompt_ids: list[int] | None = None) -> PreparedRow:
+    """Tokenise a prompt (unless its `prompt_ids` are given) and fix its seed; raises RowError for an empty prompt."""
+    ids = encode_prompt(tokenizer, prompt, settings) if prompt_ids is None else prompt_ids
     if not ids:
         raise RowError("the prompt is empty (it encodes to no tokens)")
     seed = settings.seed
@@ -105,12 +106,14 @@ def generate_batch(
     *,
     on_text: Callable[[RowResult, str], None] | None = None,
     on_done: Callable[[RowResult], None] | None = None,
+    run: Callable[..., Any] | None = None,
 ) -> list[RowResult]:
     """Generate every row in one `model.generate` call (rows must share `batch_key()`).
 
     Rows end on their own: at EOS, at their own stop strings or at their own
     max_new_tokens. `on_text(result, piece)` gets each row's final text as it
-    appears; `on_done(result)` is called the step a row finishes.
+    appears; `on_done(result)` is called the step a row finishes. `run` stands
+    in for `model.generate` (same arguments): a chat continues its KV cache so.
     """
     import torch
 
@@ -179,7 +182,7 @@ def generate_batch(
             ended[i] = result.done
         return torch.tensor(ended, device=event.token_id.device)
 
-    model.generate(
+    (run or model.generate)(
         input_ids,
         max_new_tokens=max(r.settings.max_new_tokens for r in rows),
         do_sample=not settings.greedy,
