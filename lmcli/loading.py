@@ -21,10 +21,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-# What `--model` may say when no checkpoint is given: the embedded default is a SmolLM2 (llama).
-DEFAULT_MODEL_NAMES = ("llama", "smollm2-135m")
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,12 +75,12 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     device = resolve_device(device)
     tokenizer = None
     origin: dict[str, Path] = {}
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
+    if checkpoint is None and model is not None:
+        from lmcli import model_names
 
-        if model is not None and registry.known_model_type(model) and model not in DEFAULT_MODEL_NAMES:
-            raise UsageError(f"--model {model} needs --checkpoint with its weights (without one, lmcli runs "
-                             "the embedded SmolLM2-135M-Instruct)")
+        checkpoint, model = model_names.resolve(model)  # lmcli's models, then the HF hub cache
+    elif checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
 
         checkpoint = default_checkpoint_path()
     path = Path(checkpoint).expanduser()
