@@ -146,13 +146,21 @@ ModelOption = Annotated[
         help="Architecture or preset name (see 'lmcli models'); optional when the checkpoint has config.json.",
     ),
 ]
+TokenizerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
+        help="A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
+    ),
+]
 DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
 DTypeOption = Annotated[
     DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Weight dtype (auto: float32 on CPU).")
 ]
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
+def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
+          tokenizer: Path | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -161,17 +169,19 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
     console = Console(stderr=True)
     where = str(checkpoint) if checkpoint is not None else model or "the default model"
     with console.status(f"loading {where}…") if console.is_terminal else _nothing():
-        loaded, tokenizer = lmcli.load(
+        loaded, text_tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
             model=model,
             dtype=dtype.value,
             device=device.value,
+            tokenizer_path=tokenizer,
         )
-    if tokenizer is None and need_tokenizer:
+    if text_tokenizer is None and need_tokenizer:
         raise TokenizerError(
-            f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
+            f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be"
+            " encoded; give one with --tokenizer PATH"
         )
-    return loaded, tokenizer
+    return loaded, text_tokenizer
 
 
 class _nothing:
@@ -196,6 +206,7 @@ def generate(
     ] = None,
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
+    tokenizer: TokenizerOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     max_new_tokens: Annotated[
@@ -228,7 +239,7 @@ def generate(
     ] = None,
     stop: Annotated[
         list[str] | None,
-        typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+        typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash."),
     ] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
@@ -286,7 +297,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import GenerationSettings
+    from lmcli.jobs import GenerationSettings, unescape_line
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -299,7 +310,7 @@ def generate(
         top_p=top_p,
         repetition_penalty=repetition_penalty,
         seed=seed,
-        stop=stop,
+        stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         ignore_eos=ignore_eos,
         chat=chat,
         system=system,
@@ -307,7 +318,7 @@ def generate(
     )
 
     def load():
-        return _load(checkpoint, model, device, dtype)
+        return _load(checkpoint, model, device, dtype, tokenizer=tokenizer)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -390,7 +401,7 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     if output is None:
         sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
         sys.stdout.flush()
-    elif terminal:
+    else:
         output.end()
     if stats or (terminal and output is not None):
         Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False, soft_wrap=True)
@@ -422,14 +433,19 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
     if output_path is not None or stats:
-        parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
+        parts = [_rows(report.written) + " written" + (f" to {output_path}" if output_path else "")]
         if report.skipped:
             parts.append(f"{report.skipped} already done")
         parts.append(f"{report.tokens} tokens")
         parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
         Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
     if report.failed:
-        raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
+        raise LmcliError(f"{report.failed} of {_rows(report.rows)} failed; see the \"error\" field of "
+                         + ("that row" if report.failed == 1 else "those rows"))
+
+
+def _rows(count: int) -> str:
+    return f"{count} row" if count == 1 else f"{count} rows"
 
 
 # ----------------------------------------------------------------------------- models, info, bench
@@ -513,9 +529,10 @@ def info(
         typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
     ] = None,
     model: ModelOption = None,
+    tokenizer_path: TokenizerOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path)
     config = loaded.config
     parameters = sum(p.numel() for p in loaded.parameters())
     dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
@@ -534,7 +551,12 @@ def info(
         ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
     ]
-    if checkpoint is None:
+    if checkpoint is None and model is not None:
+        from lmcli.model_names import resolve
+
+        checkpoint = Path(resolve(model)[0])
+        facts[0] = ("checkpoint", f"{checkpoint} (found for --model {model})")
+    elif checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
         checkpoint = Path(default_checkpoint_path())

@@ -66,8 +66,13 @@ def _uninitialised_parameters():
             cls.reset_parameters = reset
 
 
-def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None):
-    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None)."""
+def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
+         tokenizer_path: str | Path | None = None):
+    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+
+    `tokenizer_path` (a tokenizer.json, a tokenizer.model or an HF directory) replaces the
+    checkpoint's own tokenizer, e.g. for a lone .safetensors file.
+    """
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
@@ -132,6 +137,9 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
 
         tokenizer = load_tokenizer(tokenizer_dir)
 
+    if tokenizer_path is not None:
+        tokenizer = _tokenizer_from(Path(tokenizer_path).expanduser())
+
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):
         tensors = module.convert_checkpoint(tensors, config)
@@ -142,3 +150,35 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     built.use_fast_layout()
     built.eval()
     return built, tokenizer
+
+
+TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model"}
+
+
+def _tokenizer_from(path: Path):
+    """The tokenizer in an HF directory, or in one tokenizer.json / tokenizer.model file.
+
+    A file is read with the tokenizer_config.json beside it (its special tokens and chat template),
+    through a temporary directory that holds just those two, so a sibling of the other kind cannot win.
+    """
+    import tempfile
+
+    from lmcli.errors import TokenizerError
+    from lmcli.io.tokenizer import load_tokenizer
+
+    if path.is_dir():
+        found = load_tokenizer(path)
+        if found is None:
+            raise TokenizerError(f"--tokenizer {path}: the directory has no tokenizer.json or tokenizer.model")
+        return found
+    if not path.is_file():
+        raise UsageError(f"--tokenizer {path}: no such file or directory")
+    canonical = TOKENIZER_FILES.get(path.suffix)
+    if canonical is None:
+        raise UsageError(f"--tokenizer {path}: expected a tokenizer.json, a tokenizer.model or an HF directory")
+    with tempfile.TemporaryDirectory(prefix="lmcli-tokenizer-") as staging:
+        (Path(staging) / canonical).symlink_to(path.resolve())
+        for companion in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (path.parent / companion).is_file():
+                (Path(staging) / companion).symlink_to((path.parent / companion).resolve())
+        return load_tokenizer(Path(staging))

@@ -131,6 +131,9 @@ class PlainOutput:
         self._stream.flush()
 
     def end(self) -> None:
+        # A completion is one record: end it with a newline, as line-based tools expect
+        # (`| wc -l`, `read`); the completion itself is everything before that newline.
+        self._stream.write("\n")
         self._stream.flush()
 
 
