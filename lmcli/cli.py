@@ -323,8 +323,14 @@ def generate(
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
+    def identity() -> dict:
+        from lmcli.loading import checkpoint_identity
+
+        name = model or (checkpoint.name if checkpoint is not None else "smollm2-135m")
+        return {"name": name, "fingerprint": checkpoint_identity(checkpoint, model, tokenizer)}
+
     if input_path is not None:
-        _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats)
+        _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity)
         return
     text = _read_prompt(prompt)
     _generate_one(text, settings, load, output_format or OutputFormat.text, stats)
@@ -419,19 +425,24 @@ def _summary(result) -> str:
     return " · ".join(parts)
 
 
-def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
+def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity) -> None:
     from rich.console import Console
 
     from lmcli.jobs import run_job
 
     try:
         report = run_job(
-            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite
+            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite,
+            identity=identity,
         )
     except KeyboardInterrupt:
         where = f"; finished rows are saved in {output_path}, rerun with --resume to do the rest" if output_path else ""
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
+    if report.orphans:
+        shown = ", ".join(report.orphans[:3]) + (", …" if len(report.orphans) > 3 else "")
+        sys.stderr.write(f"warning: {output_path} keeps {_rows(len(report.orphans))} whose id is not in "
+                         f"{input_path} ({shown})\n")
     if output_path is not None or stats:
         parts = [_rows(report.written) + " written" + (f" to {output_path}" if output_path else "")]
         if report.skipped:

@@ -165,7 +165,7 @@ class GenerationSettings:
 
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
-        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos)
+        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos, self.logprobs)
 
 
 def _row_int(row: dict, name: str) -> int:
@@ -200,9 +200,10 @@ class JobRow:
     line: int
     id: int | str
     input_hash: str
-    prompt: str | None = None
+    prompt: str | list[dict] | None = None  # chat messages for an OpenAI chat request
     settings: GenerationSettings | None = None
     error: str | None = None
+    url: str | None = None  # the OpenAI endpoint; None for an lmcli row
 
 
 def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
@@ -213,6 +214,8 @@ def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
         raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
+    if parse is _parse_jsonl_line and is_openai_file(data):
+        parse = _parse_openai_line
     rows = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
@@ -268,9 +271,41 @@ def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> J
     return JobRow(number, row_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings)
 
 
-def _bad_row(number, row_id, message, text, settings, prompt=None) -> JobRow:
+def is_openai_file(data: bytes) -> bool:
+    """Whether a .jsonl file holds OpenAI batch requests: decided by its first row."""
+    from lmcli import openai_batch
+
+    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    try:
+        return openai_batch.is_request(json.loads(first))
+    except ValueError:
+        return False
+
+
+def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
+    """An OpenAI batch request (see openai_batch.py); its body overrides the flags as a row's fields do."""
+    from lmcli import openai_batch
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url="?")
+    custom_id = openai_batch.request_id(obj)
+    if custom_id is None:
+        return _bad_row(number, number, '"custom_id" must be a non-empty string', text, settings, url="?")
+    try:
+        url, prompt, overrides, logprobs = openai_batch.parse_request(obj)
+        row_settings = dataclasses.replace(
+            settings.for_row(overrides), chat=url == openai_batch.CHAT, system=None, logprobs=logprobs
+        )
+    except RowError as e:
+        return _bad_row(number, custom_id, str(e), text, settings, url=str(obj.get("url")))
+    return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
+
+
+def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> JobRow:
     prompt = prompt if isinstance(prompt, str) else None
-    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}")
+    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}", url=url)
 
 
 def _id_key(row_id: Any) -> str:
@@ -313,7 +348,15 @@ class RowWriter:
                 raise  # stdout: a closed pipe is handled (quietly) by the CLI
             raise LmcliError(f"cannot write {self._stream.name}: {e.strerror or e}") from None
         self.rows += 1
-        self.failed += "error" in row
+        self.failed += row.get("error") is not None
+
+
+def output_row_key(row: dict) -> tuple[str, bool, dict]:
+    """(id key, failed, lmcli's record: input_hash, model, ...) of a row in a job's output, either format."""
+    if "custom_id" in row and "response" in row:  # an OpenAI batch response row
+        record = row.get("lmcli")
+        return _id_key(row["custom_id"]), row.get("error") is not None, record if isinstance(record, dict) else {}
+    return _id_key(row["id"]), "error" in row, row
 
 
 def read_finished(path: Path) -> dict[str, dict]:
@@ -334,12 +377,12 @@ def read_finished(path: Path) -> dict[str, dict]:
     for number, raw in enumerate(lines, start=1):
         try:
             row = json.loads(raw)
-            key = _id_key(row["id"])
-        except (ValueError, KeyError, TypeError):
+            key, failed, _ = output_row_key(row)
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise LmcliError(
                 f"{path}, line {number}: not a row written by lmcli; fix or remove that line, then --resume"
             ) from None
-        if "error" in row:
+        if failed:
             continue  # failed rows are retried
         if key in finished:
             raise LmcliError(f"{path}, line {number}: id {key} appears twice; remove one, then --resume")
@@ -363,14 +406,16 @@ class PreparedRow:
     """A row ready for the model: tokenised, with the seed it will use."""
 
     id: int | str
-    prompt: str
+    prompt: str | list[dict]
     settings: GenerationSettings
     prompt_ids: list[int]
     seed: int | None
     input_hash: str
 
 
-def encode_prompt(tokenizer, prompt: str, settings: GenerationSettings) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[dict], settings: GenerationSettings) -> list[int]:
+    if isinstance(prompt, list):  # the messages of an OpenAI chat request
+        return list(tokenizer.encode_chat(prompt, add_generation_prompt=True))
     if not settings.chat:
         return list(tokenizer.encode(prompt))
     messages = [{"role": "system", "content": settings.system}] if settings.system is not None else []
@@ -383,7 +428,7 @@ def require_chat_template(tokenizer) -> None:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
-def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None) -> PreparedRow:
+def prepare_row(tokenizer, row_id, prompt: str | list[dict], settings: GenerationSettings, hash_: str | None = None) -> PreparedRow:
     """Tokenise a prompt and fix its seed; raises RowError for an empty prompt."""
     ids = encode_prompt(tokenizer, prompt, settings)
     if not ids:
@@ -576,6 +621,7 @@ class JobReport:
     failed: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    orphans: list[str] = field(default_factory=list)  # ids in the output that the input no longer has
 
 
 class JobProgress:
@@ -627,13 +673,21 @@ def run_job(
     overwrite: bool = False,
     stdout: IO[str] | None = None,
     show_progress: bool = True,
+    identity: Callable[[], dict] | None = None,
 ) -> JobReport:
-    """Run a batch job; `load()` is only called when some row needs the model."""
+    """Run a batch job; `load()` is only called when some row needs the model.
+
+    `identity()` names the model about to be used ({"name", "fingerprint"}, without loading it): every
+    row records it, and --resume refuses an output whose rows came from another model.
+    """
     import sys
+
+    from lmcli import openai_batch
 
     started = time.perf_counter()
     rows = read_rows(input_path, settings)
     report = JobReport(rows=len(rows))
+    model_record = identity() if identity is not None else None
 
     finished: dict[str, dict] = {}
     if output_path is not None and output_path.exists():
@@ -641,15 +695,49 @@ def run_job(
             finished = read_finished(output_path)
         elif not overwrite:
             raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
-    for row in rows:
-        done = finished.get(_id_key(row.id))
-        if done is not None and done.get("input_hash") != row.input_hash:
-            raise LmcliError(
-                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
-                " its prompt or settings changed; use a new --output, or --overwrite"
-            )
+    if finished:
+        report.orphans = _check_resumable(rows, finished, output_path, model_record)
     todo = [row for row in rows if _id_key(row.id) not in finished]
     report.skipped = len(rows) - len(todo)
+    by_key = {_id_key(row.id): row for row in rows}
+    model_name = model_record["name"] if model_record is not None else "lmcli"
+
+    def record(row_hash: str, settings_used: GenerationSettings | None, seed: int | None) -> dict:
+        """lmcli's record of how a row was made: what --resume checks."""
+        out: dict[str, Any] = {"input_hash": row_hash}
+        if model_record is not None:
+            out["model"] = model_record
+        if settings_used is not None:
+            out["settings"] = settings_record(settings_used)
+            out["seed"] = seed
+        return out
+
+    def result_row(result: RowResult) -> dict:
+        row = by_key[_id_key(result.row.id)]
+        made = record(result.row.input_hash, result.row.settings, result.row.seed)
+        if row.url is not None:
+            return openai_batch.response_row(str(row.id), row.url, result, model_name, made)
+        out = result.to_json()
+        row_hash = out.pop("input_hash")  # stays the last field
+        if model_record is not None:
+            out["model"] = model_record
+        out["settings"] = settings_record(result.row.settings)
+        out["input_hash"] = row_hash
+        return out
+
+    def write_error(row: JobRow, message: str) -> None:
+        made = record(row.input_hash, None, None)
+        if row.url is not None:
+            writer.write(openai_batch.error_row(row.id if isinstance(row.id, str) else None, message, made))
+            return
+        out: dict[str, Any] = {"id": row.id}
+        if isinstance(row.prompt, str):
+            out["prompt"] = row.prompt
+        out["error"] = message
+        if model_record is not None:
+            out["model"] = model_record
+        out["input_hash"] = row.input_hash
+        writer.write(out)
 
     if output_path is None:
         stream, durable = (stdout or sys.stdout), False
@@ -664,7 +752,7 @@ def run_job(
     try:
         for row in todo:
             if row.error is not None:
-                _write_error(writer, row.id, row.prompt, row.error, row.input_hash)
+                write_error(row, row.error)
         pending = [row for row in todo if row.error is None]
         if pending:
             model, tokenizer = load()
@@ -677,16 +765,16 @@ def run_job(
                 try:
                     prepared.append(prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash))
                 except RowError as e:
-                    _write_error(writer, row.id, row.prompt, f"line {row.line}: {e}", row.input_hash)
+                    write_error(row, f"line {row.line}: {e}")
                     progress.advance()
 
             def done(result: RowResult) -> None:
-                writer.write(result.to_json())
+                writer.write(result_row(result))
                 report.tokens += len(result.tokens)
                 progress.advance(len(result.tokens))
 
             def failed(row: PreparedRow, message: str) -> None:
-                _write_error(writer, row.id, row.prompt, message, row.input_hash)
+                write_error(by_key[_id_key(row.id)], message)
                 progress.advance()
 
             for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
@@ -706,12 +794,41 @@ def default_batch_size(model) -> int:
     return 32 if next(model.parameters()).device.type == "cuda" else 8
 
 
-def _write_error(writer: RowWriter, row_id, prompt, message, hash_) -> None:
-    row = {"id": row_id}
-    if prompt is not None:
-        row["prompt"] = prompt
-    row.update(error=message, input_hash=hash_)
-    writer.write(row)
+def settings_record(settings: GenerationSettings) -> dict:
+    """The settings a row was generated with, as its output row records them (seed apart)."""
+    values = dataclasses.asdict(settings)
+    values.pop("seed")
+    values["stop"] = list(settings.stop)
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path, model_record) -> list[str]:
+    """Refuse to finish an output made by another model or from other rows; return the orphans' ids."""
+    openai_input = any(row.url is not None for row in rows)
+    openai_output = any("custom_id" in row for row in finished.values())
+    if rows and openai_input != openai_output:
+        kinds = ("OpenAI batch responses", "lmcli rows")
+        raise LmcliError(f"{output_path} holds {kinds[not openai_output]} but the input has "
+                         f"{'OpenAI batch requests' if openai_input else 'lmcli rows'}; use a new --output")
+    if model_record is not None:
+        recorded = [output_row_key(row)[2].get("model") for row in finished.values()]
+        others = [m for m in recorded if isinstance(m, dict) and m.get("fingerprint") != model_record["fingerprint"]]
+        if others:
+            raise LmcliError(
+                f"{output_path}: {len(others)} of its {len(finished)} finished rows came from another model "
+                f"({others[0].get('name')}, {others[0].get('fingerprint')}) than the one given now "
+                f"({model_record['name']}, {model_record['fingerprint']}); resume with that model, "
+                "or use a new --output or --overwrite"
+            )
+    for row in rows:
+        done = finished.get(_id_key(row.id))
+        if done is not None and output_row_key(done)[2].get("input_hash") != row.input_hash:
+            raise LmcliError(
+                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
+                " its prompt or settings changed; use a new --output, or --overwrite"
+            )
+    input_keys = {_id_key(row.id) for row in rows}
+    return [key for key in finished if key not in input_keys]
 
 
 def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:

@@ -66,6 +66,34 @@ def _uninitialised_parameters():
             cls.reset_parameters = reset
 
 
+def resolve_checkpoint(checkpoint: str | Path | None, model: str | None) -> tuple[Path, str | None]:
+    """The checkpoint to load, and the --model name its config is checked against (None: none)."""
+    if checkpoint is None and model is not None:
+        from lmcli import model_names
+
+        return model_names.resolve(model)  # lmcli's models, then the HF hub cache
+    if checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
+
+        return default_checkpoint_path(), model
+    return Path(checkpoint).expanduser(), model
+
+
+def checkpoint_identity(checkpoint: str | Path | None = None, model: str | None = None,
+                        tokenizer_path: str | Path | None = None) -> str:
+    """The fingerprint of what `load` with these arguments would load, without loading it."""
+    from lmcli import model_names, registry
+
+    path, model = resolve_checkpoint(checkpoint, model)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    # The preset supplies the config exactly where load() takes it from the preset.
+    preset_used = model is not None and path.suffix != ".gguf" and (
+        path.suffix == ".safetensors" or not (path / "config.json").is_file())
+    preset = registry.preset_config(model) if preset_used and model is not None else None
+    return model_names.checkpoint_fingerprint(path, tokenizer_path, preset)
+
+
 def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
          tokenizer_path: str | Path | None = None):
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
@@ -80,15 +108,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     device = resolve_device(device)
     tokenizer = None
     origin: dict[str, Path] = {}
-    if checkpoint is None and model is not None:
-        from lmcli import model_names
-
-        checkpoint, model = model_names.resolve(model)  # lmcli's models, then the HF hub cache
-    elif checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = default_checkpoint_path()
-    path = Path(checkpoint).expanduser()
+    path, model = resolve_checkpoint(checkpoint, model)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
 
