@@ -205,13 +205,15 @@ def _completion_logprobs(steps: list[dict] | None, start: int) -> dict | None:
     return {
         "tokens": [step["token"] for step in steps],
         "token_logprobs": [step["logprob"] for step in steps],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in step["top"]} for step in steps],
+        "top_logprobs": [_by_text(step["top"]) for step in steps],
         "text_offset": offsets,
     }
 
 
-def finished_id(row: dict) -> str | None:
-    """The custom_id of a successful response row already in an output file, else None."""
-    if row.get("error") is None and isinstance(row.get("response"), dict) and isinstance(row.get("custom_id"), str):
-        return row["custom_id"]
-    return None
+def _by_text(top: list[dict]) -> dict[str, float]:
+    """Token text -> logprob; when two tokens decode alike the likelier one's entry is kept."""
+    out: dict[str, float] = {}
+    for item in top:  # most likely first
+        out.setdefault(item["token"], item["logprob"])
+    return out
+
