@@ -299,7 +299,8 @@ def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> 
             settings.for_row(overrides), chat=url == openai_batch.CHAT, system=None, logprobs=logprobs
         )
     except RowError as e:
-        return _bad_row(number, custom_id, str(e), text, settings, url=str(obj.get("url")))
+        message = openai_batch.in_body_terms(str(e), obj)
+        return _bad_row(number, custom_id, message, text, settings, url=str(obj.get("url")))
     return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
 
 

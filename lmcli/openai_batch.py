@@ -104,6 +104,15 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
     return url, prompt, overrides, logprobs
 
 
+def in_body_terms(message: str, obj: Any) -> str:
+    """A settings error names lmcli's row field ("max_new_tokens"); say the body field the user wrote."""
+    body = obj.get("body") if isinstance(obj, dict) else None
+    for body_key, row_key in SETTINGS_FIELDS.items():
+        if isinstance(body, dict) and body_key in body:
+            message = message.replace(f'"{row_key}"', f'body field "{body_key}"')
+    return message
+
+
 def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
         raise RowError(f'body field "{name}" must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value!r}')

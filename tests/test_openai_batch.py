@@ -148,6 +148,7 @@ def test_bad_requests_are_error_rows_and_good_ones_still_run(tmp_path, tiny_chec
         chat("stream", "Hello", stream=True),
         chat("penalty", "Hello", frequency_penalty=0.5),
         chat("hot", "Hello", temperature=-1),
+        completion("none", "Hello", max_tokens=0),
         {**completion("get", "Hello"), "method": "GET"},
         {**completion("where", "Hello"), "url": "/v1/embeddings"},
         {**completion("extra", "Hello"), "priority": 1},
@@ -156,9 +157,9 @@ def test_bad_requests_are_error_rows_and_good_ones_still_run(tmp_path, tiny_chec
         "{not json",
     ]
     result, out = run_job(tmp_path, rows, checkpoint=tiny_checkpoint)
-    assert result.exit_code == 1 and "11 of 12 rows failed" in result.stderr
+    assert result.exit_code == 1 and "12 of 13 rows failed" in result.stderr
     got = read_jsonl(out)
-    assert len(got) == 12
+    assert len(got) == 13
     errors = {row["custom_id"]: row["error"]["message"] for row in got if row["error"] is not None}
     assert all(row["response"] is None for row in got if row["error"] is not None)
     expected = {
@@ -166,7 +167,8 @@ def test_bad_requests_are_error_rows_and_good_ones_still_run(tmp_path, tiny_chec
         "two": 'body field "n" = 2 is not supported',
         "stream": 'body field "stream" = True is not supported',
         "penalty": 'body field "frequency_penalty" = 0.5',
-        "hot": '"temperature" must be >= 0',
+        "hot": 'body field "temperature" must be >= 0',
+        "none": 'body field "max_tokens" must be at least 1',
         "get": '"method" must be "POST"',
         "where": '"url" must be "/v1/chat/completions" or "/v1/completions"',
         "extra": 'unknown field "priority"',
