@@ -354,7 +354,7 @@ def test_piped_output_is_exactly_the_completion(tiny_checkpoint):
     expected = generate_json(tiny_checkpoint, prompt, *flags)["completion"]
     result = run_lmcli("generate", "-c", str(tiny_checkpoint), *flags, "--stats", prompt)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.decode("utf-8") == expected
+    assert result.stdout.decode("utf-8") == expected + "\n"  # the completion, then one newline
     stderr = result.stderr.decode()
     assert re.fullmatch(r"24 tokens · [\d.]+ tokens/s · \d+ ms to first token · stopped: token limit · seed 5\n", stderr)
     assert b"\x1b" not in result.stdout + result.stderr
