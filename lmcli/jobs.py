@@ -5,7 +5,11 @@ Job semantics (this is what the README documents):
 - Input: `.jsonl` (one object per line: `prompt`, optional `id`, `seed`,
   `max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop`, `system`) or plain
   text (one prompt per line, `\\n` for a newline, `\\\\` for a backslash). Blank
-  lines are skipped; a row without `id` gets its line number (1-based).
+  lines are skipped; a row without `id` gets its line number (1-based). Ids are
+  JSON values: `1` and `"1"` are different rows.
+- A `.jsonl` file whose first row is an OpenAI batch request is read as such
+  (openai_batch.py); its rows are keyed by `custom_id` and answered with
+  OpenAI batch response rows.
 - Row fields override the command-line flags for that row. A row that sets
   `top_k` or `top_p` replaces both; `temperature: 0` makes the row greedy.
 - Output order: **completion order**. Each row is written, tagged by its `id`,
@@ -18,9 +22,12 @@ Job semantics (this is what the README documents):
   stay per row.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
+- Every output row records the model it came from (name and content
+  fingerprint) and the settings it was generated with.
 - Resume: `--resume` keeps every successful row already in the output, checks
-  that its `input_hash` (prompt + settings) still matches the input, and runs
-  the rest. A partial last line (hard kill mid-write) and rows that failed
+  that its `input_hash` (prompt + settings) still matches the input and that
+  it came from the same model (else refuses, writing nothing), warns about
+  rows whose id the input no longer has (kept), and runs the rest. A partial last line (hard kill mid-write) and rows that failed
   before are removed first (the file is rewritten atomically), so every id ends
   up in the output exactly once.
 - A bad row (invalid JSON, no prompt, a bad setting, a prompt too long for the
