@@ -539,6 +539,8 @@ def info(
 
         checkpoint = Path(default_checkpoint_path())
         facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
+    if checkpoint.suffix == ".gguf":
+        facts.insert(4, ("quantization", _describe_gguf_storage(checkpoint)))
     facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
     if not sys.stdout.isatty():
         for key, value in facts:
@@ -576,6 +578,29 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
+
+
+def _describe_gguf_storage(path: Path) -> str:
+    """How a GGUF file stores its weights: its file type and the tensor types by count, most bytes first."""
+    from collections import Counter
+
+    from gguf import LlamaFileType
+
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    header = read_gguf_header(path)
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for info in header.tensors.values():
+        counts[info.type_name] += 1
+        sizes[info.type_name] += info.nbytes
+    kinds = ", ".join(f"{name} ×{counts[name]}" for name, _ in sizes.most_common())
+    file_type = header.metadata.get("general.file_type")
+    try:
+        label = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if isinstance(file_type, int) else None
+    except ValueError:
+        label = None
+    return f"{label} ({kinds})" if label else kinds
 
 
 def _describe_tokenizer(tokenizer) -> str:

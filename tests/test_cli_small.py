@@ -1,4 +1,4 @@
-"""Small things users noticed: the final newline in a pipe, `--stop '\\n'`, `--tokenizer PATH`, "1 row"."""
+"""Small things users noticed: the final newline in a pipe, `--stop '\\n'`, `--tokenizer PATH`, "1 row", info on GGUF."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from cli_fixtures import run_lmcli, tiny_checkpoint  # noqa: F401 (fixtures)
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from lmcli.cli import app
@@ -75,3 +76,21 @@ def test_one_row_is_one_row(tiny_checkpoint, tmp_path):
     result = cli("generate", "-c", tiny_checkpoint, "--greedy", "-n", "2", "--input", tmp_path / "in.txt",
                  "--output", tmp_path / "out.jsonl")
     assert result.exit_code == 0 and "1 row written" in result.stderr and "1 rows" not in result.stderr
+
+
+def test_info_on_a_quantized_gguf_shows_its_quantization(smollm2_gguf):
+    """The tensor types and file type as gguf's own reader sees them."""
+    from collections import Counter
+
+    import gguf
+
+    reader = gguf.GGUFReader(smollm2_gguf)
+    counts = Counter(gguf.GGMLQuantizationType(t.tensor_type).name for t in reader.tensors)
+    file_type = gguf.LlamaFileType(int(reader.fields["general.file_type"].parts[-1][0])).name.removeprefix("MOSTLY_")
+    result = cli("info", smollm2_gguf)
+    assert result.exit_code == 0, result.output
+    facts = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    label, _, kinds = facts["quantization"].partition(" (")
+    assert label == file_type == "Q4_1"
+    listed = dict(part.split(" ×") for part in kinds.rstrip(")").split(", "))
+    assert {name: int(n) for name, n in listed.items()} == dict(counts)
