@@ -147,7 +147,8 @@ ModelOption = Annotated[
     str | None,
     typer.Option(
         "--model", "-m", metavar="NAME", show_default=False, rich_help_panel=MODEL_PANEL,
-        help="Architecture or preset name (see 'lmcli models'); optional when the checkpoint has config.json.",
+        help="Without -c: a model on this machine, by name, preset or HF repo id (see 'lmcli models'). "
+             "With -c: the architecture or preset the checkpoint follows (optional when it has config.json).",
     ),
 ]
 TokenizerOption = Annotated[
