@@ -74,6 +74,36 @@ def test_repo_id_finds_the_hub_snapshot_through_its_symlinks(places, tiny_checkp
     assert tokenizer.encode("Hello world") == reference_tokenizer.encode("Hello world")
 
 
+def test_a_sharded_snapshot_loads_through_its_blob_symlinks(places, tiny_checkpoint, tmp_path):
+    """Hub snapshots hold symlinks into ../../blobs; an index naming its shards must still load."""
+    from safetensors.torch import load_file, save_file
+
+    import lmcli
+
+    _, hub = places
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for file in tiny_checkpoint.iterdir():
+        if file.name != "model.safetensors":
+            shutil.copy(file, sharded / file.name)
+    tensors = load_file(tiny_checkpoint / "model.safetensors")
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :]), start=1):
+        shard = f"model-0000{i}-of-00002.safetensors"
+        save_file({name: tensors[name] for name in part}, sharded / shard, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    snapshot = hub_repo(hub, "TinyOrg/tiny-sharded", sharded)
+    assert (snapshot / "model-00001-of-00002.safetensors").is_symlink()
+
+    model, _ = lmcli.load(model="TinyOrg/tiny-sharded")
+    reference, _ = lmcli.load(tiny_checkpoint)
+    expected = weights(reference)
+    got = weights(model)
+    assert got.keys() == expected.keys() and all(got[k].equal(expected[k]) for k in expected)
+
+
 def test_hf_home_is_used_when_hf_hub_cache_is_unset(tmp_path, monkeypatch, tiny_checkpoint):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
