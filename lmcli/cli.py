@@ -466,12 +466,13 @@ def models() -> None:
     console = Console()
     models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
                          caption_justify="left")
-    for column in ("name", "from", "size", "path", ""):
+    notes = any(row[-1] for row in local)
+    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
         models_table.add_column(column, overflow="fold")
     for name, default, *rest in local:
-        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest)
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
     if not local:
-        models_table.add_row("(none found)", "", "", "", "")
+        models_table.add_row("(none found)", "", "", "")
     console.print(models_table)
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
