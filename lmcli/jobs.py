@@ -5,7 +5,11 @@ Job semantics (this is what the README documents):
 - Input: `.jsonl` (one object per line: `prompt`, optional `id`, `seed`,
   `max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop`, `system`) or plain
   text (one prompt per line, `\\n` for a newline, `\\\\` for a backslash). Blank
-  lines are skipped; a row without `id` gets its line number (1-based).
+  lines are skipped; a row without `id` gets its line number (1-based). Ids are
+  JSON values: `1` and `"1"` are different rows.
+- A `.jsonl` file whose first row is an OpenAI batch request is read as such
+  (openai_batch.py); its rows are keyed by `custom_id` and answered with
+  OpenAI batch response rows.
 - Row fields override the command-line flags for that row. A row that sets
   `top_k` or `top_p` replaces both; `temperature: 0` makes the row greedy.
 - Output order: **completion order**. Each row is written, tagged by its `id`,
@@ -18,9 +22,12 @@ Job semantics (this is what the README documents):
   stay per row.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
+- Every output row records the model it came from (name and content
+  fingerprint) and the settings it was generated with.
 - Resume: `--resume` keeps every successful row already in the output, checks
-  that its `input_hash` (prompt + settings) still matches the input, and runs
-  the rest. A partial last line (hard kill mid-write) and rows that failed
+  that its `input_hash` (prompt + settings) still matches the input and that
+  it came from the same model (else refuses, writing nothing), warns about
+  rows whose id the input no longer has (kept), and runs the rest. A partial last line (hard kill mid-write) and rows that failed
   before are removed first (the file is rewritten atomically), so every id ends
   up in the output exactly once.
 - A bad row (invalid JSON, no prompt, a bad setting, a prompt too long for the
@@ -30,11 +37,12 @@ Job semantics (this is what the README documents):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,9 +72,10 @@ class JobRow:
     line: int
     id: int | str
     input_hash: str
-    prompt: str | None = None
+    prompt: str | list[dict] | None = None  # chat messages for an OpenAI chat request
     settings: GenerationSettings | None = None
     error: str | None = None
+    url: str | None = None  # the OpenAI endpoint; None for an lmcli row
 
 
 def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
@@ -77,6 +86,8 @@ def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
         raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
     data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
+    if parse is _parse_jsonl_line and is_openai_file(data):
+        parse = _parse_openai_line
     rows = []
     for number, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
@@ -132,9 +143,42 @@ def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> J
     return JobRow(number, row_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings)
 
 
-def _bad_row(number, row_id, message, text, settings, prompt=None) -> JobRow:
+def is_openai_file(data: bytes) -> bool:
+    """Whether a .jsonl file holds OpenAI batch requests: decided by its first row."""
+    from lmcli import openai_batch
+
+    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    try:
+        return openai_batch.is_request(json.loads(first))
+    except ValueError:
+        return False
+
+
+def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
+    """An OpenAI batch request (see openai_batch.py); its body overrides the flags as a row's fields do."""
+    from lmcli import openai_batch
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url="?")
+    custom_id = openai_batch.request_id(obj)
+    if custom_id is None:
+        return _bad_row(number, number, '"custom_id" must be a non-empty string', text, settings, url="?")
+    try:
+        url, prompt, overrides, logprobs = openai_batch.parse_request(obj)
+        row_settings = dataclasses.replace(
+            settings.for_row(overrides), chat=url == openai_batch.CHAT, system=None, logprobs=logprobs
+        )
+    except RowError as e:
+        message = openai_batch.in_body_terms(str(e), obj)
+        return _bad_row(number, custom_id, message, text, settings, url=str(obj.get("url")))
+    return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
+
+
+def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> JobRow:
     prompt = prompt if isinstance(prompt, str) else None
-    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}")
+    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}", url=url)
 
 
 def _id_key(row_id: Any) -> str:
@@ -177,7 +221,15 @@ class RowWriter:
                 raise  # stdout: a closed pipe is handled (quietly) by the CLI
             raise LmcliError(f"cannot write {self._stream.name}: {e.strerror or e}") from None
         self.rows += 1
-        self.failed += "error" in row
+        self.failed += row.get("error") is not None
+
+
+def output_row_key(row: dict) -> tuple[str, bool, dict]:
+    """(id key, failed, lmcli's record: input_hash, model, ...) of a row in a job's output, either format."""
+    if "custom_id" in row and "response" in row:  # an OpenAI batch response row
+        record = row.get("lmcli")
+        return _id_key(row["custom_id"]), row.get("error") is not None, record if isinstance(record, dict) else {}
+    return _id_key(row["id"]), "error" in row, row
 
 
 def read_finished(path: Path) -> dict[str, dict]:
@@ -198,12 +250,12 @@ def read_finished(path: Path) -> dict[str, dict]:
     for number, raw in enumerate(lines, start=1):
         try:
             row = json.loads(raw)
-            key = _id_key(row["id"])
-        except (ValueError, KeyError, TypeError):
+            key, failed, _ = output_row_key(row)
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise LmcliError(
                 f"{path}, line {number}: not a row written by lmcli; fix or remove that line, then --resume"
             ) from None
-        if "error" in row:
+        if failed:
             continue  # failed rows are retried
         if key in finished:
             raise LmcliError(f"{path}, line {number}: id {key} appears twice; remove one, then --resume")
@@ -230,6 +282,7 @@ class JobReport:
     failed: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    orphans: list[str] = field(default_factory=list)  # ids in the output that the input no longer has
 
 
 def run_job(
@@ -245,16 +298,23 @@ def run_job(
     show_progress: bool = True,
     done_in: Path | None = None,
     share: tuple[int, int] = (0, 1),
+    identity: Callable[[], dict] | None = None,
 ) -> JobReport:
     """Run a batch job; `load()` is only called when some row needs the model.
 
+    `identity()` names the model about to be used ({"name", "fingerprint"}, without loading it): every
+    row records it, and --resume refuses an output whose rows came from another model.
     For data-parallel jobs (lmcli.distributed): rows in `done_in` also count as done, and with
-    `share=(k, n)` this process runs only the k-th of every n rows still to do."""
+    `share=(k, n)` this process runs only the k-th of every n rows still to do.
+    """
     import sys
+
+    from lmcli import openai_batch
 
     started = time.perf_counter()
     rows = read_rows(input_path, settings)
     report = JobReport(rows=len(rows))
+    model_record = identity() if identity is not None else None
 
     finished: dict[str, dict] = {}
     if output_path is not None and output_path.exists():
@@ -266,17 +326,51 @@ def run_job(
     if done_in is not None:
         finished.update(read_finished(done_in))
         done_file = done_in
-    for row in rows:
-        earlier = finished.get(_id_key(row.id))
-        if earlier is not None and earlier.get("input_hash") != row.input_hash:
-            raise LmcliError(
-                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {done_file}:"
-                " its prompt or settings changed; use a new --output, or --overwrite"
-            )
+    if finished:
+        report.orphans = _check_resumable(rows, finished, done_file, model_record)
     todo = [row for row in rows if _id_key(row.id) not in finished]
     report.skipped = len(rows) - len(todo)
     part, parts = share
     todo = todo[part::parts]
+    by_key = {_id_key(row.id): row for row in rows}
+    model_name = model_record["name"] if model_record is not None else "lmcli"
+
+    def record(row_hash: str, settings_used: GenerationSettings | None, seed: int | None) -> dict:
+        """lmcli's record of how a row was made: what --resume checks."""
+        out: dict[str, Any] = {"input_hash": row_hash}
+        if model_record is not None:
+            out["model"] = model_record
+        if settings_used is not None:
+            out["settings"] = settings_record(settings_used)
+            out["seed"] = seed
+        return out
+
+    def result_row(result: RowResult) -> dict:
+        row = by_key[_id_key(result.row.id)]
+        made = record(result.row.input_hash, result.row.settings, result.row.seed)
+        if row.url is not None:
+            return openai_batch.response_row(str(row.id), row.url, result, model_name, made)
+        out = result.to_json()
+        row_hash = out.pop("input_hash")  # stays the last field
+        if model_record is not None:
+            out["model"] = model_record
+        out["settings"] = settings_record(result.row.settings)
+        out["input_hash"] = row_hash
+        return out
+
+    def write_error(row: JobRow, message: str) -> None:
+        made = record(row.input_hash, None, None)
+        if row.url is not None:
+            writer.write(openai_batch.error_row(row.id if isinstance(row.id, str) else None, message, made))
+            return
+        out: dict[str, Any] = {"id": row.id}
+        if isinstance(row.prompt, str):
+            out["prompt"] = row.prompt
+        out["error"] = message
+        if model_record is not None:
+            out["model"] = model_record
+        out["input_hash"] = row.input_hash
+        writer.write(out)
 
     if output_path is None:
         stream, durable = (stdout or sys.stdout), False
@@ -291,7 +385,7 @@ def run_job(
     try:
         for row in todo:
             if row.error is not None:
-                _write_error(writer, row.id, row.prompt, row.error, row.input_hash)
+                write_error(row, row.error)
         # A row without an error has its prompt and settings.
         pending = [(row, row.prompt, row.settings) for row in todo
                    if row.error is None and row.prompt is not None and row.settings is not None]
@@ -306,16 +400,16 @@ def run_job(
                 try:
                     prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash))
                 except RowError as e:
-                    _write_error(writer, row.id, prompt, f"line {row.line}: {e}", row.input_hash)
+                    write_error(row, f"line {row.line}: {e}")
                     progress.advance()
 
             def done(result: RowResult) -> None:
-                writer.write(result.to_json())
+                writer.write(result_row(result))
                 report.tokens += len(result.tokens)
                 progress.advance(len(result.tokens))
 
             def failed(row: PreparedRow, message: str) -> None:
-                _write_error(writer, row.id, row.prompt, message, row.input_hash)
+                write_error(by_key[_id_key(row.id)], message)
                 progress.advance()
 
             for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
@@ -335,12 +429,41 @@ def default_batch_size(model) -> int:
     return 32 if model.device.type == "cuda" else 8
 
 
-def _write_error(writer: RowWriter, row_id, prompt, message, hash_) -> None:
-    row = {"id": row_id}
-    if prompt is not None:
-        row["prompt"] = prompt
-    row.update(error=message, input_hash=hash_)
-    writer.write(row)
+def settings_record(settings: GenerationSettings) -> dict:
+    """The settings a row was generated with, as its output row records them (seed apart)."""
+    values = dataclasses.asdict(settings)
+    values.pop("seed")
+    values["stop"] = list(settings.stop)
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path, model_record) -> list[str]:
+    """Refuse to finish an output made by another model or from other rows; return the orphans' ids."""
+    openai_input = any(row.url is not None for row in rows)
+    openai_output = any("custom_id" in row for row in finished.values())
+    if rows and openai_input != openai_output:
+        kinds = ("OpenAI batch responses", "lmcli rows")
+        raise LmcliError(f"{output_path} holds {kinds[not openai_output]} but the input has "
+                         f"{'OpenAI batch requests' if openai_input else 'lmcli rows'}; use a new --output")
+    if model_record is not None:
+        recorded = [output_row_key(row)[2].get("model") for row in finished.values()]
+        others = [m for m in recorded if isinstance(m, dict) and m.get("fingerprint") != model_record["fingerprint"]]
+        if others:
+            raise LmcliError(
+                f"{output_path}: {len(others)} of its {len(finished)} finished rows came from another model "
+                f"({others[0].get('name')}, {others[0].get('fingerprint')}) than the one given now "
+                f"({model_record['name']}, {model_record['fingerprint']}); resume with that model, "
+                "or use a new --output or --overwrite"
+            )
+    for row in rows:
+        done = finished.get(_id_key(row.id))
+        if done is not None and output_row_key(done)[2].get("input_hash") != row.input_hash:
+            raise LmcliError(
+                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
+                " its prompt or settings changed; use a new --output, or --overwrite"
+            )
+    input_keys = {_id_key(row.id) for row in rows}
+    return [key for key in finished if key not in input_keys]
 
 
 def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:

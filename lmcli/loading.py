@@ -21,10 +21,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
-# What `--model` may say when no checkpoint is given: the embedded default is a SmolLM2 (llama).
-DEFAULT_MODEL_NAMES = ("llama", "smollm2-135m")
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,12 +66,44 @@ def _uninitialised_parameters():
             cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
+def resolve_checkpoint(checkpoint: str | Path | None, model: str | None) -> tuple[Path, str | None]:
+    """The checkpoint to load, and the --model name its config is checked against (None: none)."""
+    if checkpoint is None and model is not None:
+        from lmcli import model_names
+
+        return model_names.resolve(model)  # lmcli's models, then the HF hub cache
+    if checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
+
+        return default_checkpoint_path(), model
+    return Path(checkpoint).expanduser(), model
+
+
+def checkpoint_identity(checkpoint: str | Path | None = None, model: str | None = None,
+                        tokenizer_path: str | Path | None = None) -> str:
+    """The fingerprint of what `load` with these arguments would load, without loading it."""
+    from lmcli import model_names, registry
+
+    path, model = resolve_checkpoint(checkpoint, model)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    # The preset supplies the config exactly where load() takes it from the preset.
+    preset_used = model is not None and path.suffix != ".gguf" and (
+        path.suffix == ".safetensors" or not (path / "config.json").is_file())
+    preset = registry.preset_config(model) if preset_used and model is not None else None
+    return model_names.checkpoint_fingerprint(path, tokenizer_path, preset)
+
+
 def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
-         tp: int | None = None):
+         tokenizer_path: str | Path | None = None, tp: int | None = None):
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
 
     `tp=N` in a process group of N ranks (torchrun) loads this rank's tensor-parallel shard; see
-    lmcli.distributed."""
+    lmcli.distributed.
+
+    `tokenizer_path` (a tokenizer.json, a tokenizer.model or an HF directory) replaces the
+    checkpoint's own tokenizer, e.g. for a lone .safetensors file.
+    """
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
@@ -84,15 +112,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     parallel = None
     tokenizer = None
     origin: dict[str, Path] = {}
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        if model is not None and registry.known_model_type(model) and model not in DEFAULT_MODEL_NAMES:
-            raise UsageError(f"--model {model} needs --checkpoint with its weights (without one, lmcli runs "
-                             "the embedded SmolLM2-135M-Instruct)")
-
-        checkpoint = default_checkpoint_path()
-    path = Path(checkpoint).expanduser()
+    path, model = resolve_checkpoint(checkpoint, model)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
 
@@ -155,6 +175,9 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
 
         tokenizer = load_tokenizer(tokenizer_dir)
 
+    if tokenizer_path is not None:
+        tokenizer = _tokenizer_from(Path(tokenizer_path).expanduser())
+
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):
         tensors = module.convert_checkpoint(tensors, config)
@@ -167,3 +190,35 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     built.use_fast_layout()
     built.eval()
     return built, tokenizer
+
+
+TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model"}
+
+
+def _tokenizer_from(path: Path):
+    """The tokenizer in an HF directory, or in one tokenizer.json / tokenizer.model file.
+
+    A file is read with the tokenizer_config.json beside it (its special tokens and chat template),
+    through a temporary directory that holds just those two, so a sibling of the other kind cannot win.
+    """
+    import tempfile
+
+    from lmcli.errors import TokenizerError
+    from lmcli.io.tokenizer import load_tokenizer
+
+    if path.is_dir():
+        found = load_tokenizer(path)
+        if found is None:
+            raise TokenizerError(f"--tokenizer {path}: the directory has no tokenizer.json or tokenizer.model")
+        return found
+    if not path.is_file():
+        raise UsageError(f"--tokenizer {path}: no such file or directory")
+    canonical = TOKENIZER_FILES.get(path.suffix)
+    if canonical is None:
+        raise UsageError(f"--tokenizer {path}: expected a tokenizer.json, a tokenizer.model or an HF directory")
+    with tempfile.TemporaryDirectory(prefix="lmcli-tokenizer-") as staging:
+        (Path(staging) / canonical).symlink_to(path.resolve())
+        for companion in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (path.parent / companion).is_file():
+                (Path(staging) / companion).symlink_to((path.parent / companion).resolve())
+        return load_tokenizer(Path(staging))

@@ -128,7 +128,7 @@ class GenerationSettings:
 
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
-        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos)
+        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos, self.logprobs)
 
 
 def _row_int(row: dict, name: str) -> int:

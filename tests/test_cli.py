@@ -157,7 +157,7 @@ def test_stream_equals_the_final_text_on_cyrillic_and_emoji(tiny_checkpoint):
         expected = tokenizer.decode(prompt_ids + ids)[len(tokenizer.decode(prompt_ids)) :]
         assert row["completion"] == expected and row["completion_tokens"] == 40
         piped = cli("generate", "-c", tiny_checkpoint, "--seed", seed, "-n", 40, "--ignore-eos", prompt)
-        assert piped.exit_code == 0 and piped.stdout == row["completion"]
+        assert piped.exit_code == 0 and piped.stdout == row["completion"] + "\n"  # a pipe gets a final newline
         split_characters += sum(tokenizer.decode([i]).endswith("\ufffd") for i in ids)
     assert split_characters > 0  # the runs did split characters across tokens
 
@@ -195,7 +195,7 @@ def test_stop_strings_cut_even_when_split_across_tokens(tiny_checkpoint):
     assert stopped["completion"] == text[: text.find(stop)]
     assert stopped["finish_reason"] == "stop" and stop not in stopped["completion"]
     piped = cli("generate", "-c", tiny_checkpoint, *flags, "--stop", stop, prompt)
-    assert piped.stdout == stopped["completion"]
+    assert piped.stdout == stopped["completion"] + "\n"
 
 
 def test_greedy_eos_length_and_stdin(tiny_checkpoint):
@@ -354,7 +354,7 @@ def test_piped_output_is_exactly_the_completion(tiny_checkpoint):
     expected = generate_json(tiny_checkpoint, prompt, *flags)["completion"]
     result = run_lmcli("generate", "-c", str(tiny_checkpoint), *flags, "--stats", prompt)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.decode("utf-8") == expected
+    assert result.stdout.decode("utf-8") == expected + "\n"  # the completion, then one newline
     stderr = result.stderr.decode()
     assert re.fullmatch(r"24 tokens · [\d.]+ tokens/s · \d+ ms to first token · stopped: token limit · seed 5\n", stderr)
     assert b"\x1b" not in result.stdout + result.stderr

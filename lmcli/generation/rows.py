@@ -21,14 +21,16 @@ class PreparedRow:
     """A row ready for the model: tokenised, with the seed it will use."""
 
     id: int | str
-    prompt: str
+    prompt: str | list[dict]  # chat messages for an OpenAI chat request
     settings: GenerationSettings
     prompt_ids: list[int]
     seed: int | None
     input_hash: str
 
 
-def encode_prompt(tokenizer, prompt: str, settings: GenerationSettings) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[dict], settings: GenerationSettings) -> list[int]:
+    if isinstance(prompt, list):  # the messages of an OpenAI chat request
+        return list(tokenizer.encode_chat(prompt, add_generation_prompt=True))
     if not settings.chat:
         return list(tokenizer.encode(prompt))
     messages = [{"role": "system", "content": settings.system}] if settings.system is not None else []
@@ -41,7 +43,7 @@ def require_chat_template(tokenizer) -> None:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
-def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None,
+def prepare_row(tokenizer, row_id, prompt: str | list[dict], settings: GenerationSettings, hash_: str | None = None,
                 prompt_ids: list[int] | None = None) -> PreparedRow:
     """Tokenise a prompt (unless its `prompt_ids` are given) and fix its seed; raises RowError for an empty prompt."""
     ids = encode_prompt(tokenizer, prompt, settings) if prompt_ids is None else prompt_ids

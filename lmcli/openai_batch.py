@@ -1,0 +1,228 @@
+"""The OpenAI Batch API's JSONL, as vLLM's `run-batch` reads and writes it: request rows in, response rows out.
+
+A request row:  {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+                 "body": {"messages": [...] | "prompt": "...", "max_tokens": 64, "temperature": 0.7, ...}}
+A response row: {"id": "batch_req_…", "custom_id": "a",
+                 "response": {"status_code": 200, "request_id": "…", "body": {"id", "object", "created", "model",
+                              "choices": [...], "usage": {...}, "system_fingerprint": "…"}},
+                 "error": null, "lmcli": {"input_hash", "model", "settings", "seed"}}
+A failed row has "response": null and "error": {"code", "message"}. The "lmcli" member is lmcli's own
+record (what --resume checks); OpenAI's and vLLM's readers ignore members they do not know.
+
+Body fields map onto lmcli's row settings (so they override the command-line flags as a row's
+fields do); a field lmcli does not know, or knows but cannot honour (n > 1, stream, echo), makes
+that row an error row instead of being dropped silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from lmcli.settings import RowError
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
+
+# Body field -> lmcli row field, for the fields both endpoints share.
+SETTINGS_FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",  # a vLLM extension
+    "seed": "seed",
+    "stop": "stop",
+}
+# Accepted and without effect here: the model is whatever lmcli loaded; "user" is a tag for the API's logs.
+IGNORED_FIELDS = ("model", "user")
+# Accepted only at the value that means "nothing special".
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "stream": (False,), "echo": (False,), "best_of": (1,), "suffix": (None,),
+    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
+}
+CHAT_FIELDS = ("messages", "logprobs", "top_logprobs")
+COMPLETION_FIELDS = ("prompt", "logprobs")
+MAX_TOP_LOGPROBS = 20  # what OpenAI allows
+
+
+def is_request(obj: Any) -> bool:
+    """Whether a file's first row is an OpenAI batch request (rather than an lmcli row)."""
+    return isinstance(obj, dict) and ("custom_id" in obj or ("url" in obj and "body" in obj))
+
+
+def request_id(obj: Any) -> str | None:
+    """The row's custom_id when it has a usable one, else None."""
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    return custom_id if isinstance(custom_id, str) and custom_id else None
+
+
+def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
+    """(url, prompt or chat messages, lmcli row overrides, logprobs count or None); RowError naming the field.
+
+    The caller has checked `custom_id` already.
+    """
+    for key in sorted(set(obj) - {"custom_id", "method", "url", "body"}):
+        raise RowError(f'unknown field "{key}" (a request has custom_id, method, url and body)')
+    if obj.get("method", "POST") != "POST":
+        raise RowError(f'"method" must be "POST", got {obj.get("method")!r}')
+    url = obj.get("url")
+    if url not in ENDPOINTS:
+        raise RowError(f'"url" must be "{CHAT}" or "{COMPLETIONS}", got {url!r}')
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RowError('"body" must be a JSON object')
+
+    own = CHAT_FIELDS if url == CHAT else COMPLETION_FIELDS
+    known = (*SETTINGS_FIELDS, *IGNORED_FIELDS, *NEUTRAL_VALUES, *own)
+    for key in body:
+        if key not in known:
+            raise RowError(f'body field "{key}" is not supported by lmcli for {url}')
+    for key, neutral in NEUTRAL_VALUES.items():
+        if key in body and body[key] not in neutral:
+            raise RowError(f'body field "{key}" = {body[key]!r} is not supported by lmcli (only {neutral[0]!r})')
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise RowError('give "max_tokens" or "max_completion_tokens", not both')
+    overrides = {SETTINGS_FIELDS[key]: value for key, value in body.items() if key in SETTINGS_FIELDS}
+
+    if url == CHAT:
+        prompt: str | list[dict] = _messages(body.get("messages"))
+        logprobs = None
+        if body.get("logprobs", False) not in (True, False):
+            raise RowError('body field "logprobs" must be true or false for chat completions')
+        if "top_logprobs" in body:
+            if not body.get("logprobs"):
+                raise RowError('body field "top_logprobs" needs "logprobs": true')
+            logprobs = _count(body["top_logprobs"], "top_logprobs")
+        elif body.get("logprobs"):
+            logprobs = 0
+    else:
+        prompt = _prompt(body.get("prompt"))
+        logprobs = _count(body["logprobs"], "logprobs") if body.get("logprobs") is not None else None
+    return url, prompt, overrides, logprobs
+
+
+def in_body_terms(message: str, obj: Any) -> str:
+    """A settings error names lmcli's row field ("max_new_tokens"); say the body field the user wrote."""
+    body = obj.get("body") if isinstance(obj, dict) else None
+    for body_key, row_key in SETTINGS_FIELDS.items():
+        if isinstance(body, dict) and body_key in body:
+            message = message.replace(f'"{row_key}"', f'body field "{body_key}"')
+    return message
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise RowError(f'body field "{name}" must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value!r}')
+    return value
+
+
+def _prompt(value: Any) -> str:
+    if isinstance(value, list) and len(value) == 1:
+        value = value[0]  # a batch of one prompt
+    if not isinstance(value, str):
+        raise RowError('body field "prompt" must be a string' if value is not None else 'body field "prompt" is missing')
+    return value
+
+
+def _messages(value: Any) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RowError('body field "messages" must be a non-empty list' if value is not None
+                       else 'body field "messages" is missing')
+    messages = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RowError(f"messages[{i}] must be an object with a \"role\"")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RowError(f"messages[{i}].content: lmcli reads text parts only")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RowError(f"messages[{i}].content must be a string")
+        messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+# ----------------------------------------------------------------------------- output
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def response_row(custom_id: str, url: str, result: Any, model_name: str, record: dict) -> dict:
+    """A successful response row for a finished RowResult; `record` is lmcli's own (input hash, model, ...)."""
+    key = _key(custom_id, record["input_hash"])
+    text = result.text.text
+    finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    if url == CHAT:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": _chat_logprobs(result.logprobs), "finish_reason": finish}
+        kind, prefix = "chat.completion", "chatcmpl-"
+    else:
+        prompt_chars = len(result.row.prompt) if isinstance(result.row.prompt, str) else 0
+        choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(result.logprobs, prompt_chars),
+                  "finish_reason": finish}
+        kind, prefix = "text_completion", "cmpl-"
+    prompt_tokens, completion_tokens = len(result.row.prompt_ids), len(result.tokens)
+    body = {
+        "id": prefix + key,
+        "object": kind,
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "system_fingerprint": record["model"]["fingerprint"],
+    }
+    return {"id": "batch_req_" + key, "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": key, "body": body}, "error": None, "lmcli": record}
+
+
+def error_row(custom_id: Any, message: str, record: dict) -> dict:
+    key = _key(str(custom_id), record["input_hash"])
+    return {"id": "batch_req_" + key, "custom_id": custom_id, "response": None,
+            "error": {"code": "invalid_request" if message.startswith("line ") else "generation_failed",
+                      "message": message},
+            "lmcli": record}
+
+
+def _key(custom_id: str, input_hash: str) -> str:
+    return hashlib.sha256(f"{custom_id}\0{input_hash}".encode()).hexdigest()[:24]
+
+
+def _chat_logprobs(steps: list[dict] | None) -> dict | None:
+    if steps is None:
+        return None
+
+    def entry(item: dict) -> dict:
+        return {"token": item["token"], "logprob": item["logprob"], "bytes": list(item["token"].encode("utf-8"))}
+
+    return {"content": [{**entry(step), "top_logprobs": [entry(t) for t in step["top"]]} for step in steps]}
+
+
+def _completion_logprobs(steps: list[dict] | None, start: int) -> dict | None:
+    if steps is None:
+        return None
+    offsets, at = [], start
+    for step in steps:
+        offsets.append(at)
+        at += len(step["token"])
+    return {
+        "tokens": [step["token"] for step in steps],
+        "token_logprobs": [step["logprob"] for step in steps],
+        "top_logprobs": [_by_text(step["top"]) for step in steps],
+        "text_offset": offsets,
+    }
+
+
+def _by_text(top: list[dict]) -> dict[str, float]:
+    """Token text -> logprob; when two tokens decode alike the likelier one's entry is kept."""
+    out: dict[str, float] = {}
+    for item in top:  # most likely first
+        out.setdefault(item["token"], item["logprob"])
+    return out
+
