@@ -3,7 +3,8 @@
 - `TerminalOutput` / `PlainOutput` write generated pieces live: rich with a dimmed
   prompt in a terminal; bare text, flushed piece by piece, in a pipe.
 - `JobProgress` is a batch job's progress bar on stderr.
-- `row_summary` / `job_summary` are the dim lines printed after a run.
+- `row_summary` / `job_summary` are the dim lines printed after a run; the rest describe a
+  checkpoint for `lmcli info`.
 
 rich is imported only when something is shown, to keep `import lmcli` quick.
 """
@@ -13,7 +14,10 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmcli.io.tokenizer import Tokenizer
 
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
 
@@ -138,3 +142,35 @@ def print_dim(line: str) -> None:
     from rich.console import Console
 
     Console(stderr=True).print(line, style="dim", highlight=False, markup=False, soft_wrap=True)
+
+
+def describe_tokenizer(tokenizer: Tokenizer | None) -> str:
+    """One line about a tokenizer, for `lmcli info`."""
+    if tokenizer is None:
+        return "none (text cannot be encoded)"
+    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
+    if tokenizer.add_bos_token:
+        parts.append("adds BOS")
+    if tokenizer.eos_token_ids:
+        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
+    return "; ".join(parts)
+
+
+def size_on_disk(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def human_count(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def human_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
