@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     import torch
 
     from lmcli.io.gguf import GGUFFile
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("gpt2",)
+GGUF_ARCHITECTURES = ("gpt2",)
+FLAGSHIP_PRESETS = {"gpt2": "gpt2"}
 
 _RENAMES = {
     "ln_1": "input_layernorm",
