@@ -189,4 +189,5 @@ def test_bare_architecture_names_resolve():
     mistral = registry.config_from_hf(preset("mistral"))
     assert mistral.sliding_window == 4096 and mistral.uses_sliding_window
     gemma3 = registry.config_from_hf(preset("gemma-3-270m"))
-    assert gemma3.layer_types.count("full_attention") == 3 and gemma3.rope_local.theta == 10000.0
+    assert gemma3.layer_types.count("full_attention") == 3
+    assert gemma3.rope_local is not None and gemma3.rope_local.theta == 10000.0
