@@ -8,6 +8,7 @@ Importing lmcli is cheap: torch and the model code load on first use of these na
 """
 
 from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
@@ -21,7 +22,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(import_module(module), attr)

@@ -4,6 +4,10 @@ Every command validates its flags before anything heavy is imported; torch
 and the model code load inside the commands, so `lmcli --help` stays fast.
 Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 `--debug` shows the traceback instead.
+
+One concern, so one file even past ~450 lines: the command line (flags, their help, and commands
+that hand over to the library at once). Logic lives in the modules the commands call; what is
+shown lives in console.py.
 """
 
 from __future__ import annotations
@@ -603,10 +607,11 @@ def _explicit_settings(ctx: typer.Context) -> set[str]:
 def models() -> None:
     """List the real models on this machine (for --model NAME), then the architectures and presets."""
     from lmcli import model_names, registry
+    from lmcli.console import human_bytes
 
     local = [
         (m.name, "default" if m.default else "", _SOURCES[m.source],
-         _human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
         for m in model_names.installed_models()
     ]
     rows = []
@@ -677,6 +682,8 @@ def info(
     tokenizer_path: TokenizerOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
+    from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count, size_on_disk
+
     loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path)
     config = loaded.config
     parameters = loaded.num_parameters()
@@ -685,7 +692,7 @@ def info(
     facts = [
         ("checkpoint", str(checkpoint)),
         ("architecture", f"{config.architecture} (model_type {config.model_type})"),
-        ("parameters", f"{_human(parameters)} ({parameters:,})"),
+        ("parameters", f"{human_count(parameters)} ({parameters:,})"),
         ("dtype", dtype),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
@@ -693,7 +700,7 @@ def info(
         ("hidden size", str(config.hidden_size)),
         ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
         ("vocabulary", f"{config.vocab_size:,}"),
-        ("tokenizer", _describe_tokenizer(tokenizer)),
+        ("tokenizer", describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
     if checkpoint is None and model is not None:
@@ -707,8 +714,8 @@ def info(
         checkpoint = Path(default_checkpoint_path())
         facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
     if checkpoint.suffix == ".gguf":
-        facts.insert(4, ("quantization", _describe_gguf_storage(checkpoint)))
-    facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
+        facts.insert(4, ("quantization", describe_gguf_storage(checkpoint)))
+    facts.append(("file size", human_bytes(size_on_disk(checkpoint))))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -745,60 +752,6 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
-
-
-def _describe_gguf_storage(path: Path) -> str:
-    """How a GGUF file stores its weights: its file type and the tensor types by count, most bytes first."""
-    from collections import Counter
-
-    from gguf import LlamaFileType
-
-    from lmcli.io.gguf_reader import read_gguf_header
-
-    header = read_gguf_header(path)
-    counts: Counter[str] = Counter()
-    sizes: Counter[str] = Counter()
-    for info in header.tensors.values():
-        counts[info.type_name] += 1
-        sizes[info.type_name] += info.nbytes
-    kinds = ", ".join(f"{name} ×{counts[name]}" for name, _ in sizes.most_common())
-    file_type = header.metadata.get("general.file_type")
-    try:
-        label = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if isinstance(file_type, int) else None
-    except ValueError:
-        label = None
-    return f"{label} ({kinds})" if label else kinds
-
-
-def _describe_tokenizer(tokenizer) -> str:
-    if tokenizer is None:
-        return "none (text cannot be encoded)"
-    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
-    if tokenizer.add_bos_token:
-        parts.append("adds BOS")
-    if tokenizer.eos_token_ids:
-        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
-    return "; ".join(parts)
-
-
-def _size_on_disk(path: Path) -> int:
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return path.stat().st_size
-
-
-def _human(count: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if count >= size:
-            return f"{count / size:.1f}{unit}"
-    return str(count)
-
-
-def _human_bytes(count: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} bytes"
 
 
 @app.command()

@@ -3,7 +3,8 @@
 - `TerminalOutput` / `PlainOutput` write generated pieces live: rich with a dimmed
   prompt in a terminal; bare text, flushed piece by piece, in a pipe.
 - `JobProgress` is a batch job's progress bar on stderr.
-- `row_summary` / `job_summary` are the dim lines printed after a run.
+- `row_summary` / `job_summary` are the dim lines printed after a run; the rest describe a
+  checkpoint for `lmcli info`.
 - `probability_style` / `ProbabilityShading` colour streamed text by probability (--color-probs).
 
 rich is imported only when something is shown, to keep `import lmcli` quick.
@@ -15,7 +16,10 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lmcli.io.tokenizer import Tokenizer
 
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string", "interrupted": "Ctrl-C"}
 
@@ -175,3 +179,58 @@ class ProbabilityShading:
         steps = (result.logprobs or [])[self._seen:]
         self._seen += len(steps)
         return math.exp(min(step["logprob"] for step in steps)) if steps else None
+
+
+def describe_tokenizer(tokenizer: Tokenizer | None) -> str:
+    """One line about a tokenizer, for `lmcli info`."""
+    if tokenizer is None:
+        return "none (text cannot be encoded)"
+    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
+    if tokenizer.add_bos_token:
+        parts.append("adds BOS")
+    if tokenizer.eos_token_ids:
+        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
+    return "; ".join(parts)
+
+
+def size_on_disk(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size
+
+
+def human_count(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def human_bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def describe_gguf_storage(path: Path) -> str:
+    """How a GGUF file stores its weights: its file type and the tensor types by count, most bytes first."""
+    from collections import Counter
+
+    from gguf import LlamaFileType
+
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    header = read_gguf_header(path)
+    counts: Counter[str] = Counter()
+    sizes: Counter[str] = Counter()
+    for info in header.tensors.values():
+        counts[info.type_name] += 1
+        sizes[info.type_name] += info.nbytes
+    kinds = ", ".join(f"{name} ×{counts[name]}" for name, _ in sizes.most_common())
+    file_type = header.metadata.get("general.file_type")
+    try:
+        label = LlamaFileType(file_type).name.removeprefix("MOSTLY_") if isinstance(file_type, int) else None
+    except ValueError:
+        label = None
+    return f"{label} ({kinds})" if label else kinds

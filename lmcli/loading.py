@@ -8,14 +8,19 @@ a .gguf file, or None for the embedded default model.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lmcli.errors import CheckpointError, ConfigError, UsageError
+
+if TYPE_CHECKING:
+    from lmcli.io.tokenizer import Tokenizer
+    from lmcli.models.base import BaseModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -52,7 +57,7 @@ def _read_config_json(path: Path) -> dict[str, Any]:
 
 
 @contextmanager
-def _uninitialised_parameters():
+def _uninitialised_parameters() -> Iterator[None]:
     """Build modules without random initialisation: every parameter is about to be replaced by the
     checkpoint's tensor, and `torch.empty` memory that is never written costs nothing. (Building on
     the meta device does the same but spends seconds importing torch's meta kernels.)"""
@@ -94,8 +99,9 @@ def checkpoint_identity(checkpoint: str | Path | None = None, model: str | None 
     return model_names.checkpoint_fingerprint(path, tokenizer_path, preset)
 
 
-def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
-         tokenizer_path: str | Path | None = None, tp: int | None = None):
+def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: str | torch.dtype | None = None,
+         device: str | torch.device | None = None, tokenizer_path: str | Path | None = None,
+         tp: int | None = None) -> tuple[BaseModel, Tokenizer | None]:
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
 
     `tp=N` in a process group of N ranks (torchrun) loads this rank's tensor-parallel shard; see
@@ -195,7 +201,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
 TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model"}
 
 
-def _tokenizer_from(path: Path):
+def _tokenizer_from(path: Path) -> Tokenizer | None:
     """The tokenizer in an HF directory, or in one tokenizer.json / tokenizer.model file.
 
     A file is read with the tokenizer_config.json beside it (its special tokens and chat template),

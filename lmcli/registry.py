@@ -1,7 +1,9 @@
 """Names users type -> architecture modules and preset configs.
 
 An architecture module (lmcli/models/<name>.py) provides `config_from_hf(hf_dict) -> ModelConfig`
-and, when its checkpoint names differ from the shared decoder's, `convert_checkpoint(tensors, config)`.
+and, when its checkpoint names differ from the shared decoder's, `convert_checkpoint(tensors, config)`;
+it declares the names it answers to (HF_MODEL_TYPES, GGUF_ARCHITECTURES, FLAGSHIP_PRESETS), and
+the tables below are built from those.
 Presets are HF-style config.json files in configs/, named as users type them.
 """
 
@@ -13,48 +15,26 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from lmcli.config import ModelConfig
 from lmcli.errors import ConfigError
 
-ARCHITECTURES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma")
+ARCHITECTURES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma")  # modules in lmcli/models/
 
+
+def _architecture_modules() -> dict[str, ModuleType]:
+    # The architecture modules import only lmcli.config (torch comes with the model), so this is cheap.
+    return {arch: importlib.import_module(f"lmcli.models.{arch}") for arch in ARCHITECTURES}
+
+
+_MODULES = _architecture_modules()
 # HF model_type -> lmcli architecture module.
-MODEL_TYPES = {
-    "gpt2": "gpt2",
-    "llama": "llama",
-    "mistral": "mistral",
-    "mixtral": "mixtral",
-    "qwen2": "qwen2",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3_text": "gemma",
-}
-
+MODEL_TYPES: dict[str, str] = {model_type: arch for arch, module in _MODULES.items() for model_type in module.HF_MODEL_TYPES}
 # A bare architecture name used where a config is needed resolves to its flagship preset.
-FLAGSHIP_PRESETS = {
-    "gpt2": "gpt2",
-    "llama": "llama-3.2-1b",
-    "mistral": "mistral-7b-v0.1",
-    "mixtral": "mixtral-8x7b-v0.1",
-    "qwen2": "qwen2.5-0.5b",
-    "gemma": "gemma-3-270m",
-    "gemma2": "gemma-2-2b",
-    "gemma3_text": "gemma-3-270m",
-}
-
+FLAGSHIP_PRESETS: dict[str, str] = {name: preset for module in _MODULES.values() for name, preset in module.FLAGSHIP_PRESETS.items()}
 # GGUF general.architecture -> the lmcli module whose `config_from_gguf` / `tensors_from_gguf` read it.
-# llama.cpp files mistral and mixtral under "llama" (sometimes "mistral"); the llama module tells them apart.
-GGUF_ARCHITECTURES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "qwen2",
-    "gemma": "gemma",
-    "gemma2": "gemma",
-    "gemma3": "gemma",
-    "gpt2": "gpt2",
-}
-
-# GGUF files store mistral and mixtral weights under "llama": naming them explicitly is not a conflict.
-WIDENS = {"mistral": ("llama",), "mixtral": ("llama",)}
+GGUF_ARCHITECTURES: dict[str, str] = {gguf: arch for arch, module in _MODULES.items() for gguf in module.GGUF_ARCHITECTURES}
+# Model types whose GGUF files are filed under another architecture: naming them explicitly is not a conflict.
+WIDENS: dict[str, tuple[str, ...]] = {arch: module.STORED_AS for arch, module in _MODULES.items() if hasattr(module, "STORED_AS")}
 
 PRESETS_DIR = Path(__file__).resolve().parent / "configs"
 
@@ -81,12 +61,12 @@ def architecture_module(model_type: str) -> ModuleType:
     if arch is None:
         known = ", ".join(sorted(MODEL_TYPES))
         raise ConfigError(f"unknown architecture '{model_type}' (supported model_type values: {known})")
-    return importlib.import_module(f"lmcli.models.{arch}")
+    return _MODULES[arch]
 
 
 def gguf_architecture_module(gguf_architecture: str) -> ModuleType:
     """The module that translates a GGUF file of this `general.architecture` (a key of GGUF_ARCHITECTURES)."""
-    return importlib.import_module(f"lmcli.models.{GGUF_ARCHITECTURES[gguf_architecture]}")
+    return _MODULES[GGUF_ARCHITECTURES[gguf_architecture]]
 
 
 def _compatible(model_type: str, wanted: str) -> bool:
@@ -112,7 +92,7 @@ def known_model_type(name: str) -> str:
     return model_type
 
 
-def config_from_hf(hf: dict[str, Any], model: str | None = None):
+def config_from_hf(hf: dict[str, Any], model: str | None = None) -> ModelConfig:
     """ModelConfig from an HF config dict; `model` may name the architecture explicitly."""
     model_type = hf.get("model_type")
     if model is not None:

@@ -86,7 +86,9 @@ def build_llama_json_dir(directory: Path) -> Path:
 
     from lmcli.io.tokenizer import load_tokenizer
 
-    backend = load_tokenizer(build_spm_dir(directory / "source")).backend
+    source = load_tokenizer(build_spm_dir(directory / "source"))
+    assert source is not None
+    backend = source.backend
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     backend.pre_tokenizer = None
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -80,11 +80,11 @@ def _one_gguf_parse_per_file():
             readers[key] = real(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared
+    gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # a stand-in with the same call
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader = real  # type: ignore[misc]
 
 
 # Five real prompts per model for the end-to-end greedy checks (32 new tokens each).
@@ -98,7 +98,7 @@ TEXT_PROMPTS = [
 GREEDY_TOKENS = 32
 
 
-def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: list[list[int]] = (),
+def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: Sequence[list[int]] = (),
                            greedy_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
     """transformers' own reading of `gguf_path` (`from_pretrained(dir, gguf_file=...)`, float32, CPU).
 

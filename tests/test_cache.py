@@ -114,7 +114,7 @@ def test_rolling_buffer_keeps_the_last_window_slots():
     torch.manual_seed(0)
     window, B, H, D = 4, 2, 3, 5
     ring = RollingKVCache(B, H, window, D, torch.float32, torch.device("cpu"))
-    written = {}  # slot -> (k, v)
+    written: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot -> (k, v)
 
     def check(keys, values, slots, query_slots):
         for index, slot in enumerate(slots.tolist()):
@@ -164,7 +164,7 @@ def test_cached_logits_equal_full_recomputation(load, case):
     ids, mask = left_pad(prompts([2, 9, 6], seed=2))
     runs = {}
     for use_cache in (True, False):
-        events = []
+        events: list[torch.Tensor] = []
         out = model.generate(ids, 14, do_sample=False, attention_mask=mask, use_cache=use_cache,
                              on_token=lambda e, events=events: events.append(e.logits.clone()))
         runs[use_cache] = out, torch.stack(events)

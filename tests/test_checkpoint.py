@@ -28,6 +28,12 @@ def rewrite_weights(directory, change):
     return path
 
 
+def preset(name: str) -> dict:
+    config = registry.preset_config(name)
+    assert config is not None, f"no preset {name}"
+    return config
+
+
 def test_missing_tensor_names_file_and_tensor(llama_dir):
     path = rewrite_weights(llama_dir, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     with pytest.raises(CheckpointError) as error:
@@ -172,7 +178,7 @@ def test_every_preset_builds_a_config():
                      "qwen2.5-0.5b", "gemma-3-270m", "smollm2-135m"):
         assert required in names
     for name in names:
-        config = registry.config_from_hf(registry.preset_config(name))
+        config = registry.config_from_hf(preset(name))
         assert config.vocab_size > 1000
 
 
@@ -180,7 +186,8 @@ def test_bare_architecture_names_resolve():
     for arch in registry.list_architectures():
         assert registry.model_type_for_name(arch) == arch
         assert registry.preset_config(arch) is not None  # the flagship preset
-    mistral = registry.config_from_hf(registry.preset_config("mistral"))
+    mistral = registry.config_from_hf(preset("mistral"))
     assert mistral.sliding_window == 4096 and mistral.uses_sliding_window
-    gemma3 = registry.config_from_hf(registry.preset_config("gemma-3-270m"))
-    assert gemma3.layer_types.count("full_attention") == 3 and gemma3.rope_local.theta == 10000.0
+    gemma3 = registry.config_from_hf(preset("gemma-3-270m"))
+    assert gemma3.layer_types.count("full_attention") == 3
+    assert gemma3.rope_local is not None and gemma3.rope_local.theta == 10000.0

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 from cli_fixtures import (  # noqa: F401 (fixtures)
@@ -261,7 +262,7 @@ def _parameter_count(checkpoint) -> int:
 
 
 def test_a_batch_job_gives_the_rows_single_runs_give(tiny_checkpoint, tmp_path):
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"id": "a", "prompt": "Hello", "seed": 1, "max_new_tokens": 12},
         {"id": "b", "prompt": "Привет, мир! Как дела?", "temperature": 0},
         {"id": "c", "prompt": "🙂", "seed": 7, "top_k": 5},
@@ -330,7 +331,7 @@ def test_a_killed_job_resumes_with_every_row_exactly_once(tiny_checkpoint, tmp_p
     job.send_signal(signal.SIGKILL)
     job.wait()
     done_before = out.read_bytes().count(b"\n")
-    assert 3 <= done_before < rows, job.stderr.read().decode()
+    assert 3 <= done_before < rows, job.stderr.read().decode() if job.stderr else ""
     with open(out, "ab") as f:  # as if the kill had landed in the middle of a write
         f.write(b'{"id": 40, "prompt": "row 39: \xd0\x9f')
 
@@ -397,7 +398,7 @@ def test_bench_hands_its_options_to_lmcli_bench(monkeypatch):
 
     calls = []
     fake = types.ModuleType("lmcli.bench")
-    fake.main = lambda **options: calls.append(options)
+    fake.main = lambda **options: calls.append(options)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "lmcli.bench", fake)
     monkeypatch.setattr(lmcli, "bench", fake, raising=False)
     result = cli("bench", "-n", 16, "--batch-size", 4, "--prompt-tokens", 64, "--device", "cpu")

@@ -17,6 +17,7 @@ import torch
 from tiny import CASES, PAD, VOCAB, left_pad, prompts, save_reference
 
 import lmcli
+from lmcli.generation.loop import TokenEvent
 from lmcli.generation.sampling import RepetitionPenalty, sample, sampling_transforms
 
 MAX_POSITIONS = 64  # max_position_embeddings of every tiny model
@@ -87,7 +88,7 @@ def choose(logits, seed=None, temperature=1.0, top_k=None, top_p=None):
     for row in logits:
         scores = row[None]
         for transform in sampling_transforms(temperature, top_k, top_p):
-            scores = transform(None, scores)
+            scores = transform(torch.empty(1, 0, dtype=torch.long), scores)  # they do not read the text
         tokens.append(int(sample(scores, [generator])))
     return tokens
 
@@ -243,7 +244,7 @@ def test_keyword_only_arguments_cannot_be_positional(model):
 
 
 def test_ignore_output_returns_none(model):
-    steps = []
+    steps: list[TokenEvent] = []
     assert model.generate(torch.stack(prompts([5])), 4, do_sample=False, ignore_output=True,
                           on_token=steps.append) is None
     assert len(steps) == 4
@@ -302,7 +303,7 @@ def test_greedy_ignores_temperature_top_k_and_top_p(model, kwargs):
     dict(seed=[1, 2, 3]),  # one seed per row: the batch has two
 ], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_invalid_sampling_arguments_are_value_errors(model, kwargs):
-    steps = []
+    steps: list[TokenEvent] = []
     with pytest.raises(ValueError):
         model.generate(torch.stack(prompts([5, 5])), 3, do_sample=True, on_token=steps.append, **kwargs)
     assert steps == []  # rejected before any work
@@ -497,7 +498,8 @@ def test_on_token_is_called_once_per_step_with_batched_tensors(model):
     finished_at = [next((s for s, e in enumerate(hook.events) if e.finished[i]), None) for i in range(3)]
     assert finished_at[0] is not None and finished_at[0] <= 3 and len(hook.events) > finished_at[0] + 1
     for i in range(3):
-        last = len(hook.events) - 1 if finished_at[i] is None else finished_at[i]
+        at = finished_at[i]
+        last = len(hook.events) - 1 if at is None else at
         # counts the EOS itself, then stops growing
         assert lengths[:, i].tolist() == [min(s, last) + 1 for s in range(len(hook.events))]
 
@@ -565,9 +567,13 @@ def test_processors_apply_in_order(model):
 def test_processors_apply_after_temperature_and_top_k_top_p(model, settings):
     received = []
     hook = Recorder()
+
+    def record(input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        received.append(scores.clone())
+        return scores
+
     model.generate(torch.stack(prompts([5, 5], seed=9)), 5, do_sample=True, seed=[1, 2], on_token=hook,
-                   logits_processors=[lambda input_ids, scores: received.append(scores.clone()) or scores],
-                   **settings)
+                   logits_processors=[record], **settings)
     temperature = settings["temperature"]
     for scores, event in zip(received, hook.events, strict=True):
         want = event.logits / temperature

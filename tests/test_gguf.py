@@ -13,6 +13,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -39,7 +40,7 @@ BASE = dict(vocab_size=48, hidden_size=64, intermediate_size=96, num_hidden_laye
 GEMMA = dict(BASE, hidden_size=32, head_dim=16, query_pre_attn_scalar=16)
 
 # (transformers model_type, config overrides, GGUF architecture)
-CASES = {
+CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama": ("llama", dict(BASE, tie_word_embeddings=False), "llama"),
     "llama-tied-mha-bias": ("llama", dict(BASE, num_key_value_heads=4, tie_word_embeddings=True,
                                           attention_bias=True), "llama"),
@@ -602,7 +603,7 @@ def test_changed_source_file_is_not_served_from_the_old_entry(cache, tmp_path, m
     new = default_model.load_gguf_cached(path)
     assert torch.equal(new.tensors["lm_head.weight"], other_state["lm_head.weight"])
     assert not torch.equal(new.tensors["lm_head.weight"], old.tensors["lm_head.weight"])
-    assert not old_entry.exists()  # the superseded entry is cleaned up
+    assert old_entry is not None and not old_entry.exists()  # the superseded entry is cleaned up
 
 
 def test_unwritable_cache_still_loads(tmp_path, good_file, monkeypatch):

@@ -188,12 +188,13 @@ def test_read_jsonl_rows_with_defaults_and_bad_rows(tmp_path):
     rows = read_rows(path, settings)
     assert [r.id for r in rows] == [1, "x", 3, 9, 5, 7, 8]
     assert [r.error is None for r in rows] == [True, True, False, False, False, False, False]
-    assert rows[1].settings.seed == 3
-    assert "line 3: not valid JSON" in rows[2].error
-    assert rows[3].error == 'line 4: "prompt" is missing'
-    assert '"top_p" must be in (0, 1]' in rows[4].error and rows[4].prompt == "c"
-    assert 'unknown field "max_tokens"' in rows[5].error
-    assert "must be a JSON object" in rows[6].error
+    assert rows[1].settings is not None and rows[1].settings.seed == 3
+    errors = [r.error or "" for r in rows]
+    assert "line 3: not valid JSON" in errors[2]
+    assert errors[3] == 'line 4: "prompt" is missing'
+    assert '"top_p" must be in (0, 1]' in errors[4] and rows[4].prompt == "c"
+    assert 'unknown field "max_tokens"' in errors[5]
+    assert "must be a JSON object" in errors[6]
 
 
 def test_read_text_rows_unescapes_newlines(tmp_path):

@@ -26,6 +26,8 @@ from lmcli.generation.sampling import (
 )
 
 V = 97
+# The sampling transforms do not read the text so far; transformers' warpers are given None for it.
+NO_TEXT = torch.empty(1, 0, dtype=torch.long)
 
 
 def random_logits(rows=32, seed=0):
@@ -39,13 +41,13 @@ def random_logits(rows=32, seed=0):
 @pytest.mark.parametrize("temperature", [0.05, 0.7, 1.0, 2.5])
 def test_temperature_equals_transformers(temperature):
     logits = random_logits()
-    assert torch.equal(Temperature(temperature)(None, logits), TemperatureLogitsWarper(temperature)(None, logits))
+    assert torch.equal(Temperature(temperature)(NO_TEXT, logits), TemperatureLogitsWarper(temperature)(None, logits))
 
 
 @pytest.mark.parametrize("k", [1, 2, 10, V, 5 * V])
 def test_top_k_equals_transformers(k):
     logits = random_logits()
-    got = TopK(k)(None, logits)
+    got = TopK(k)(NO_TEXT, logits)
     assert torch.equal(got, TopKLogitsWarper(k)(None, logits))
     assert (torch.isfinite(got).sum(-1) == min(k, V)).all()  # no ties in random logits: exactly k kept
 
@@ -53,7 +55,7 @@ def test_top_k_equals_transformers(k):
 @pytest.mark.parametrize("p", [1e-6, 0.1, 0.5, 0.9, 0.999, 1.0])
 def test_top_p_equals_transformers(p):
     logits = random_logits()
-    assert torch.equal(TopP(p)(None, logits), TopPLogitsWarper(p)(None, logits))
+    assert torch.equal(TopP(p)(NO_TEXT, logits), TopPLogitsWarper(p)(None, logits))
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.0, 1.3, 2.0])
@@ -75,7 +77,7 @@ def test_temperature_then_top_p_equals_transformers_chain():
     for temperature, p in [(0.5, 0.8), (2.0, 0.6)]:
         ours = logits
         for transform in sampling_transforms(temperature, None, p):
-            ours = transform(None, ours)
+            ours = transform(NO_TEXT, ours)
         theirs = TopPLogitsWarper(p)(None, TemperatureLogitsWarper(temperature)(None, logits))
         assert torch.equal(ours, theirs)
 
@@ -93,7 +95,7 @@ def nucleus_reference(probs, p):
 @pytest.mark.parametrize("p", [0.05, 0.3, 0.5, 0.8, 0.95])
 def test_top_p_keeps_the_smallest_set_reaching_p(p):
     logits = random_logits(64, seed=3)
-    kept = torch.isfinite(TopP(p)(None, logits))
+    kept = torch.isfinite(TopP(p)(NO_TEXT, logits))
     probs = logits.softmax(-1).double()
     checked = 0
     for row in range(len(logits)):
@@ -107,8 +109,8 @@ def test_top_p_keeps_the_smallest_set_reaching_p(p):
 
 def test_top_p_one_keeps_every_token_and_tiny_p_keeps_the_best():
     logits = random_logits()
-    assert torch.isfinite(TopP(1.0)(None, logits)).all()
-    kept = torch.isfinite(TopP(1e-9)(None, logits))
+    assert torch.isfinite(TopP(1.0)(NO_TEXT, logits)).all()
+    kept = torch.isfinite(TopP(1e-9)(NO_TEXT, logits))
     assert torch.equal(kept, torch.nn.functional.one_hot(logits.argmax(-1), V).bool())
 
 
@@ -120,9 +122,9 @@ def test_order_of_temperature_and_top_p_matters_and_is_temperature_first():
     assert [type(t) for t in transforms] == [Temperature, TopP]
     scores = logits
     for transform in transforms:
-        scores = transform(None, scores)
+        scores = transform(NO_TEXT, scores)
     assert torch.isfinite(scores).tolist() == [[True, False, False]]
-    assert torch.isfinite(TopP(0.7)(None, logits)).tolist() == [[True, True, False]]
+    assert torch.isfinite(TopP(0.7)(NO_TEXT, logits)).tolist() == [[True, True, False]]
     assert [type(t) for t in sampling_transforms(0.3, 5, None)] == [Temperature, TopK]
     assert [type(t) for t in sampling_transforms(1.0, None, None)] == [Temperature]
 
@@ -186,7 +188,7 @@ def renormalised(probs, keep):
 
 def apply(transforms, logits):
     for transform in transforms:
-        logits = transform(None, logits[None])[0]
+        logits = transform(NO_TEXT, logits[None])[0]
     return logits
 
 

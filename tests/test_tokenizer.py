@@ -299,6 +299,7 @@ def test_save_pretrained_round_trip(pair, tmp_path):
     ours.save_pretrained(tmp_path)
     reloaded_reference = AutoTokenizer.from_pretrained(str(tmp_path))
     reloaded = load_tokenizer(tmp_path)
+    assert reloaded is not None
     for text in MIXED_TEXTS:
         assert reference_ids(reloaded_reference, text) == ours.encode(text), text
         assert reloaded.encode(text) == ours.encode(text), text

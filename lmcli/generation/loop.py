@@ -7,14 +7,18 @@ row computes exactly what it computes alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcli.config import eos_id_list
-from lmcli.generation.sampling import row_generators, sample, sampling_transforms
+from lmcli.generation.sampling import LogitsProcessor, row_generators, sample, sampling_transforms
+
+if TYPE_CHECKING:
+    from lmcli.models.base import BaseModel
+    from lmcli.models.cache import ModelCache
 from lmcli.models.layers import positions_from_mask
 
 
@@ -56,11 +60,11 @@ def history_capacity(prompt_len: int, max_new_tokens: int, max_positions: int, t
     return min(total, max(prompt_len, max_positions) + max_positions) if trim else total
 
 
-def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+def generate(model: BaseModel, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-             attention_mask: torch.Tensor | None = None, eos_token_id=None, pad_token_id: int | None = None,
-             *, seed=None, logits_processors=None, on_token: Callable[[TokenEvent], Any] | None = None,
-             ignore_output: bool = False) -> torch.Tensor | None:
+             attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+             *, seed: Any = None, logits_processors: Sequence[LogitsProcessor] | None = None,
+             on_token: Callable[[TokenEvent], Any] | None = None, ignore_output: bool = False) -> torch.Tensor | None:
     """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n]; `model.generate` calls this.
 
     The contract (return value, seeds, EOS and padding, caches, hooks) is the README's "generate()" section.
@@ -72,12 +76,13 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     return None if ignore_output else ids
 
 
-def generate_from_cache(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                        attention_mask: torch.Tensor | None = None, eos_token_id=None,
-                        pad_token_id: int | None = None, *, seed=None, logits_processors=None,
+def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, do_sample: bool,
+                        temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+                        use_cache: bool = True, attention_mask: torch.Tensor | None = None, eos_token_id: Any = None,
+                        pad_token_id: int | None = None, *, seed: Any = None,
+                        logits_processors: Sequence[LogitsProcessor] | None = None,
                         on_token: Callable[[TokenEvent], Any] | None = None, ignore_output: bool = False,
-                        cache=None, cached: int = 0) -> tuple[torch.Tensor, int]:
+                        cache: ModelCache | None = None, cached: int = 0) -> tuple[torch.Tensor, int]:
     """generate(), continuing from `cache`, which already holds the keys and values of x's first `cached`
     columns (from an earlier call over the same leading ids; a chat keeps its conversation this way).
     Without a cache one is allocated. Returns the ids as generate() returns them (with `ignore_output`,

@@ -10,10 +10,17 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcli.errors import TokenizerError
 from lmcli.settings import GenerationSettings, RowError, input_hash
+
+if TYPE_CHECKING:
+    import torch
+
+    from lmcli.generation.loop import TokenEvent
+    from lmcli.io.tokenizer import Tokenizer
+    from lmcli.models.base import BaseModel
 
 
 @dataclass
@@ -28,7 +35,7 @@ class PreparedRow:
     input_hash: str
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], settings: GenerationSettings) -> list[int]:
+def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], settings: GenerationSettings) -> list[int]:
     if isinstance(prompt, list):  # the messages of an OpenAI chat request
         return list(tokenizer.encode_chat(prompt, add_generation_prompt=True))
     if not settings.chat:
@@ -38,12 +45,12 @@ def encode_prompt(tokenizer, prompt: str | list[dict], settings: GenerationSetti
     return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
 
 
-def require_chat_template(tokenizer) -> None:
+def require_chat_template(tokenizer: Tokenizer) -> None:
     if not tokenizer.chat_template:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
-def prepare_row(tokenizer, row_id, prompt: str | list[dict], settings: GenerationSettings, hash_: str | None = None,
+def prepare_row(tokenizer: Tokenizer, row_id: int | str, prompt: str | list[dict], settings: GenerationSettings, hash_: str | None = None,
                 prompt_ids: list[int] | None = None) -> PreparedRow:
     """Tokenise a prompt (unless its `prompt_ids` are given) and fix its seed; raises RowError for an empty prompt."""
     ids = encode_prompt(tokenizer, prompt, settings) if prompt_ids is None else prompt_ids
@@ -102,8 +109,8 @@ def plan_batches(rows: list[PreparedRow], batch_size: int) -> Iterator[list[Prep
 
 
 def generate_batch(
-    model,
-    tokenizer,
+    model: BaseModel,
+    tokenizer: Tokenizer,
     rows: list[PreparedRow],
     *,
     on_text: Callable[[RowResult, str], None] | None = None,
@@ -156,7 +163,7 @@ def generate_batch(
         if on_done:
             on_done(result)
 
-    def on_token(event):
+    def on_token(event: TokenEvent) -> torch.Tensor:
         now = time.perf_counter()
         token_ids = event.token_id.tolist()
         steps = _logprob_steps(tokenizer, event, top_logprobs) if top_logprobs is not None else None
@@ -205,7 +212,7 @@ def generate_batch(
     return results
 
 
-def _logprob_steps(tokenizer, event, k: int):
+def _logprob_steps(tokenizer: Tokenizer, event: TokenEvent, k: int) -> Callable[[int], dict[str, Any]]:
     """Per-row logprob entries for this step, from the raw logits (before temperature)."""
     import torch
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -83,7 +84,7 @@ def sampling_transforms(temperature: float, top_k: int | None, top_p: float | No
     return transforms
 
 
-def row_generators(seed, batch_size: int, device: torch.device) -> list[torch.Generator]:
+def row_generators(seed: Any, batch_size: int, device: torch.device) -> list[torch.Generator]:
     """One RNG per row, so a row's samples do not depend on the rest of the batch.
 
     `seed`: an int (every row gets it), one value per row (list or tensor), or None (drawn from torch's
@@ -115,7 +116,7 @@ def row_generators(seed, batch_size: int, device: torch.device) -> list[torch.Ge
     return generators
 
 
-def _is_int(value) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 

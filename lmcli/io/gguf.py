@@ -223,6 +223,18 @@ class GGUFFile:
         return GGUFError(f"{self.path}: unexpected tensor '{name}' for a {config['model_type']} GGUF")
 
     @staticmethod
+    def top_level(name: str, tensor: torch.Tensor, config: dict[str, Any],
+                  names: dict[str, str] = _TOP_LEVEL) -> list[tuple[str, torch.Tensor]] | None:
+        """A tensor outside the blocks, renamed by `names` (none for a tied output head), or None
+        for a block tensor."""
+        stem, _, leaf = name.rpartition(".")
+        if stem not in names:
+            return None
+        if stem == "output" and config["tie_word_embeddings"]:
+            return []
+        return [(f"{names[stem]}.{leaf}", tensor)]
+
+    @staticmethod
     def block_parts(name: str) -> tuple[str, str, str | None, str] | None:
         """`blk.3.attn_q.weight` -> ("3", "attn_q", None, "weight"); the third part is an expert index."""
         match = _BLOCK.fullmatch(name)
@@ -235,11 +247,9 @@ class GGUFFile:
 
         `block_names` maps GGUF block tensors to HF module names; `unpermute_qk` undoes llama.cpp's
         q/k row order (see `unpermute_rope_rows`)."""
-        stem, _, leaf = name.rpartition(".")
-        if stem in _TOP_LEVEL:
-            if stem == "output" and config["tie_word_embeddings"]:
-                return
-            yield f"{_TOP_LEVEL[stem]}.{leaf}", tensor
+        top = self.top_level(name, tensor, config)
+        if top is not None:
+            yield from top
             return
         parts = self.block_parts(name)
         if parts is None:

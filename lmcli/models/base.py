@@ -8,7 +8,7 @@ else — embeddings, the layer stack, the head, caching and generation — lives
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from lmcli.models.layers import (
     rope_cos_sin,
     rope_inverse_frequencies,
 )
+
+if TYPE_CHECKING:
+    from lmcli.models.cache import LayerCache, ModelCache
 
 
 class DecoderLayer(nn.Module):
@@ -46,7 +49,7 @@ class DecoderLayer(nn.Module):
     def feed_forward(self) -> nn.Module:
         return self.block_sparse_moe if hasattr(self, "block_sparse_moe") else self.mlp
 
-    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: LayerCache | None = None) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), inputs, cache)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
@@ -107,7 +110,7 @@ class BaseModel(nn.Module):
         positions: torch.Tensor,  # [B, T] position of each token in its own row's text
         query_slots: torch.Tensor,  # [T] the sequence columns these tokens occupy
         slot_is_token: torch.Tensor,  # [B, S_total] False for pad columns
-        cache=None,
+        cache: ModelCache | None = None,
         last_only: bool = False,
     ) -> torch.Tensor:
         config = self.config
@@ -144,7 +147,7 @@ class BaseModel(nn.Module):
 
     # --- cache and generation ---------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, max_length: int):
+    def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
         """A cache for `batch_size` rows of up to `max_length` tokens, allocated once.
 
         Sliding-window layers get a rolling buffer of `sliding_window` slots; the others a static one.
@@ -153,7 +156,7 @@ class BaseModel(nn.Module):
 
         return ModelCache.for_model(self, batch_size, max_length)
 
-    def traverse_cache(self, cache, fn: Callable[[torch.Tensor], torch.Tensor]):
+    def traverse_cache(self, cache: ModelCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelCache:
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
         return cache.traverse(fn)
 

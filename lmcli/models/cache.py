@@ -8,10 +8,14 @@ Both return the keys a query chunk may need plus each key's slot; the attention 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmcli.config import SLIDING
+
+if TYPE_CHECKING:
+    from lmcli.models.base import BaseModel
 
 
 class KVCache:
@@ -21,7 +25,8 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # (B, nkv, L, hd)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, end: int | None = None):
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write k, v [B, nkv, T, hd] at `slots` [T]; return keys, values, key slots up to the last one.
 
         `end` (the last slot + 1) may be passed by callers that know it, to spare a device sync."""
@@ -47,7 +52,8 @@ class RollingKVCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.slots = torch.full((window,), -1, dtype=torch.long, device=device)  # -1: empty
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, end: int | None = None):
+    def update(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if slots.numel() == 1:
             # One new token: it only needs the window ending at itself, which the ring holds after writing.
             self._write(k, v, slots)
@@ -72,16 +78,19 @@ class RollingKVCache:
         self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
 
 
+LayerCache = KVCache | RollingKVCache
+
+
 class ModelCache:
     """One cache per layer: rolling for sliding-window layers whose window is shorter than the run."""
 
-    def __init__(self, layers: list):
+    def __init__(self, layers: list[LayerCache]):
         self.layers = layers
 
     @classmethod
-    def for_model(cls, model, batch_size: int, max_length: int) -> ModelCache:
+    def for_model(cls, model: BaseModel, batch_size: int, max_length: int) -> ModelCache:
         config = model.config
-        layers: list[KVCache | RollingKVCache] = []
+        layers: list[LayerCache] = []
         for layer_type in config.layer_types:
             window = config.sliding_window if layer_type == SLIDING else None
             if window is not None and window < max_length:

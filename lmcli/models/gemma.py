@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
     from lmcli.io.gguf import GGUFFile
 
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
+GGUF_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+FLAGSHIP_PRESETS = {"gemma": "gemma-3-270m", "gemma2": "gemma-2-2b", "gemma3_text": "gemma-3-270m"}
+
 
 def _default_period(model_type: str) -> int:
     """Every period-th layer is global when the config does not say: gemma2 alternates, gemma3 has 5 local : 1 global."""

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     import torch
 
     from lmcli.io.gguf import GGUFFile
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("gpt2",)
+GGUF_ARCHITECTURES = ("gpt2",)
+FLAGSHIP_PRESETS = {"gpt2": "gpt2"}
 
 _RENAMES = {
     "ln_1": "input_layernorm",
@@ -119,11 +124,9 @@ def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
 def tensors_from_gguf(gguf: GGUFFile, name: str, tensor: torch.Tensor,
                       config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """GGUF names -> HF GPT-2 names (which `convert_checkpoint` then maps onto the shared decoder)."""
-    stem, _, leaf = name.rpartition(".")
-    if stem in _GGUF_TOP_LEVEL:
-        if stem == "output" and config["tie_word_embeddings"]:
-            return
-        yield f"{_GGUF_TOP_LEVEL[stem]}.{leaf}", tensor
+    top = gguf.top_level(name, tensor, config, _GGUF_TOP_LEVEL)
+    if top is not None:
+        yield from top
         return
     parts = gguf.block_parts(name)
     if parts is None or parts[2] is not None or parts[1] not in _GGUF_BLOCK:

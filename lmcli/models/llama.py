@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
     from lmcli.io.gguf import GGUFFile
 
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("llama",)
+GGUF_ARCHITECTURES = ("llama", "mistral")  # llama.cpp files mistral and mixtral under either; see config_from_gguf
+FLAGSHIP_PRESETS = {"llama": "llama-3.2-1b"}
+
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     fields = dict(

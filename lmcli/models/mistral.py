@@ -3,6 +3,13 @@
 from lmcli.config import FULL, SLIDING, ModelConfig
 from lmcli.models import llama
 
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("mistral",)
+GGUF_ARCHITECTURES = ()  # read by the llama module
+FLAGSHIP_PRESETS = {"mistral": "mistral-7b-v0.1"}
+STORED_AS = ("llama",)  # GGUF files store its weights under "llama": naming mistral for one is no conflict
+
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     window = hf.get("sliding_window")

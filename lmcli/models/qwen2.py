@@ -14,6 +14,12 @@ if TYPE_CHECKING:
 
     from lmcli.io.gguf import GGUFFile
 
+# What the registry reads from this module: the HF model_types it builds, the GGUF
+# `general.architecture` values it translates, and the preset a bare name stands for.
+HF_MODEL_TYPES = ("qwen2",)
+GGUF_ARCHITECTURES = ("qwen2",)
+FLAGSHIP_PRESETS = {"qwen2": "qwen2.5-0.5b"}
+
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
