@@ -95,9 +95,14 @@ def known_model_type(name: str) -> str:
     return model_type
 
 
-def config_from_hf(hf: dict[str, Any], model: str | None = None):
-    """ModelConfig from an HF config dict; `model` may name the architecture explicitly."""
-    model_type = hf.get("model_type")
+def config_from_hf(hf: dict[str, Any], model: str | None = None, source: str = "config.json"):
+    """ModelConfig from an HF config dict; `model` may name the architecture explicitly.
+
+    The dict is validated first (lmcli.config.validate_hf_config); `source` names it in errors.
+    """
+    from lmcli.config import validate_hf_config
+
+    model_type = validate_hf_config(hf, source).get("model_type")
     if model is not None:
         wanted = known_model_type(model)
         if model_type in MODEL_TYPES and not _compatible(model_type, wanted):

@@ -1,0 +1,141 @@
+"""Hostile or broken input: each gives one line naming the file/field/flag, never an internal error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import save_reference
+
+import lmcli
+from lmcli.errors import CheckpointError, ConfigError
+
+
+@pytest.fixture(scope="module")
+def llama_template(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save_reference("llama", directory)
+    return directory
+
+
+@pytest.fixture
+def llama_dir(llama_template, tmp_path):
+    for path in llama_template.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def edit_config(directory, change):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(change(config)))
+    return path
+
+
+# --- config.json -------------------------------------------------------------------------------
+
+
+def test_config_that_is_a_list_is_named(llama_dir):
+    path = edit_config(llama_dir, lambda c: [c])
+    with pytest.raises(ConfigError) as error:
+        lmcli.load(llama_dir)
+    assert str(error.value) == f"{path}: expected a JSON object, got a list"
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("abc", "must be an integer"),
+        (-576, "must be between 1 and"),
+        (576.5, "must be an integer"),
+        (True, "must be an integer"),
+        (None, None),  # null: the field counts as missing
+    ],
+)
+def test_hidden_size_of_the_wrong_type_or_range(llama_dir, value, why):
+    path = edit_config(llama_dir, lambda c: {**c, "hidden_size": value})
+    with pytest.raises(ConfigError) as error:
+        lmcli.load(llama_dir)
+    message = str(error.value)
+    if why is None:
+        assert message == "config.json: missing field 'hidden_size'"
+    else:
+        assert message.startswith(f"{path}: field 'hidden_size' {why}") and json.dumps(value) in message
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rms_norm_eps", float("nan")),  # json.dumps writes NaN, which Python's json reads back
+        ("rms_norm_eps", 0),
+        ("num_key_value_heads", 0),
+        ("tie_word_embeddings", "yes"),
+        ("eos_token_id", [2, "x"]),
+        ("layer_types", ["full_attention", "local"]),
+        ("rope_scaling", {"rope_type": "linear", "factor": "2"}),
+        ("rope_scaling", [1]),
+        ("model_type", 7),
+    ],
+)
+def test_other_fields_are_checked_by_type_and_range(llama_dir, field, value):
+    path = edit_config(llama_dir, lambda c: {**c, field: value})
+    with pytest.raises(ConfigError, match=rf"^{path}: field '{field}(\.\w+)?' (must|should)"):
+        lmcli.load(llama_dir)
+
+
+def test_heads_larger_than_hidden_size_is_a_config_error(llama_dir):
+    edit_config(llama_dir, lambda c: {**c, "head_dim": None, "num_attention_heads": 64, "num_key_value_heads": 64})
+    with pytest.raises(ConfigError, match="head_dim is 0"):
+        lmcli.load(llama_dir)
+
+
+def test_valid_configs_still_load(llama_dir):
+    edit_config(llama_dir, lambda c: {**c, "head_dim": None, "sliding_window": None, "unknown_field": [1, {}]})
+    model, _ = lmcli.load(llama_dir)
+    assert model.config.head_dim == 8
+
+
+# --- safetensors index files --------------------------------------------------------------------
+
+
+def make_sharded(directory, weight_map):
+    (directory / "model.safetensors").rename(directory / "shard-1.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("shard", ["../../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"])
+def test_index_cannot_name_files_outside_the_checkpoint(llama_dir, shard):
+    index = make_sharded(llama_dir, {"model.norm.weight": shard})
+    with pytest.raises(CheckpointError) as error:
+        lmcli.load(llama_dir)
+    assert str(error.value) == (
+        f"{index}: shard '{shard}' of tensor 'model.norm.weight' is outside the checkpoint directory"
+    )
+
+
+def test_index_cannot_follow_a_symlink_out_of_the_checkpoint(llama_dir, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside") / "secret.safetensors"
+    (llama_dir / "model.safetensors").rename(outside)
+    (llama_dir / "shard-1.safetensors").symlink_to(outside)
+    index = llama_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "shard-1.safetensors"}}))
+    with pytest.raises(CheckpointError, match="is outside the checkpoint directory"):
+        lmcli.load(llama_dir)
+
+
+@pytest.mark.parametrize("weight_map", [[], "shard-1.safetensors", None, {"model.norm.weight": 3}])
+def test_index_weight_map_must_be_an_object_of_strings(llama_dir, weight_map):
+    index = make_sharded(llama_dir, weight_map)
+    with pytest.raises(CheckpointError, match=rf"^{index}: .*(weight_map).* must be"):
+        lmcli.load(llama_dir)
+
+
+def test_a_valid_index_loads(llama_dir):
+    from safetensors.torch import load_file
+
+    names = load_file(llama_dir / "model.safetensors")
+    make_sharded(llama_dir, dict.fromkeys(names, "shard-1.safetensors"))
+    model, _ = lmcli.load(llama_dir)
+    assert model.num_parameters() > 0
