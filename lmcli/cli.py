@@ -532,7 +532,7 @@ def convert(
     """Write a GGUF checkpoint as an HF-style directory (dequantised; loads in lmcli and transformers)."""
     if gguf_file.suffix != ".gguf":
         raise typer.BadParameter(f"{gguf_file} is not a .gguf file", param_hint="GGUF")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UsageError(f"{out_dir}: directory is not empty; choose a new OUT_DIR")
     import torch
 

@@ -139,3 +139,102 @@ def test_a_valid_index_loads(llama_dir):
     make_sharded(llama_dir, dict.fromkeys(names, "shard-1.safetensors"))
     model, _ = lmcli.load(llama_dir)
     assert model.num_parameters() > 0
+
+
+# --- lmcli convert: all or nothing --------------------------------------------------------------
+
+# A subprocess converts a stand-in GGUF checkpoint (the reader is replaced: what is tested is how the
+# output directory is written) and, when told to, parks after writing model.safetensors so it can be killed.
+CONVERT_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+import torch
+import safetensors.torch
+import lmcli.io.gguf as lmgguf
+import lmcli.io.tokenizer as lmtokenizer
+
+class StandInTokenizer:
+    def save_pretrained(self, out_dir):
+        (Path(out_dir) / "tokenizer.json").write_text("{}")
+
+def read_stand_in(path, dtype=torch.float32):
+    return lmgguf.GGUFCheckpoint(path=Path(path), metadata={}, hf_config={"model_type": "llama"},
+                                 tensors={"w": torch.arange(4096, dtype=torch.float32)})
+
+lmgguf.read_gguf = read_stand_in
+lmtokenizer.tokenizer_from_gguf = lambda metadata: StandInTokenizer()
+real_save = safetensors.torch.save_file
+def save_then_park(tensors, filename, metadata=None):
+    real_save(tensors, filename, metadata=metadata)
+    if len(sys.argv) > 3:
+        Path(sys.argv[3]).write_text("written")
+        time.sleep(600)
+safetensors.torch.save_file = save_then_park
+lmgguf.convert_gguf(sys.argv[1], sys.argv[2])
+"""
+
+
+def run_convert(tmp_path, out, park: Path | None = None):
+    import subprocess
+    import sys
+
+    from cli_fixtures import subprocess_env
+
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"stand-in")
+    args = [sys.executable, "-c", CONVERT_SCRIPT, str(source), str(out)] + ([str(park)] if park else [])
+    return subprocess.Popen(args, env=subprocess_env(), stderr=subprocess.PIPE)
+
+
+def test_convert_killed_midway_leaves_no_output_and_a_rerun_works(tmp_path):
+    import os
+    import signal
+    import stat
+    import time
+
+    out = tmp_path / "converted"
+    park = tmp_path / "parked"
+    process = run_convert(tmp_path, out, park)
+    deadline = time.monotonic() + 120
+    while not park.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert park.exists(), process.stderr.read().decode() if process.poll() is not None else "never parked"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    [partial] = [p for p in tmp_path.iterdir() if p.name.startswith(".converted.partial-")]
+    assert (partial / "model.safetensors").is_file()  # killed after the big write, before the rename
+
+    rerun = run_convert(tmp_path, out)
+    assert rerun.wait(timeout=120) == 0, rerun.stderr.read().decode()
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # the killed run's leftovers are gone
+    # The same permissions a plain mkdir / open would give under this umask.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "f").write_text("")
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert stat.S_IMODE((out / "config.json").stat().st_mode) == stat.S_IMODE((plain / "f").stat().st_mode)
+
+
+def test_convert_that_fails_cleans_up(tmp_path, monkeypatch):
+    import torch
+
+    import lmcli.io.gguf as lmgguf
+
+    checkpoint = lmgguf.GGUFCheckpoint(path=tmp_path / "x.gguf", metadata={}, hf_config={"model_type": "llama"},
+                                       tensors={"w": torch.zeros(3)})
+    monkeypatch.setattr(lmgguf, "read_gguf", lambda path, dtype=None: checkpoint)
+    monkeypatch.setattr("lmcli.io.tokenizer.tokenizer_from_gguf", lambda metadata: _failing_save())
+    out = tmp_path / "out"
+    with pytest.raises(lmcli.errors.TokenizerError):
+        lmgguf.convert_gguf(tmp_path / "x.gguf", out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _failing_save():
+    class Tokenizer:
+        def save_pretrained(self, out_dir):
+            raise lmcli.errors.TokenizerError("cannot save the tokenizer")
+
+    return Tokenizer()
