@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
+from cli_fixtures import subprocess_env
 from tiny import save_reference
 
 import lmcli
-from lmcli.errors import CheckpointError, ConfigError
+import lmcli.io.gguf as lmgguf
+from lmcli.errors import CheckpointError, ConfigError, TokenizerError
 
 
 @pytest.fixture(scope="module")
@@ -175,11 +185,6 @@ lmgguf.convert_gguf(sys.argv[1], sys.argv[2])
 
 
 def run_convert(tmp_path, out, park: Path | None = None):
-    import subprocess
-    import sys
-
-    from cli_fixtures import subprocess_env
-
     source = tmp_path / "model.gguf"
     source.write_bytes(b"stand-in")
     args = [sys.executable, "-c", CONVERT_SCRIPT, str(source), str(out)] + ([str(park)] if park else [])
@@ -187,11 +192,6 @@ def run_convert(tmp_path, out, park: Path | None = None):
 
 
 def test_convert_killed_midway_leaves_no_output_and_a_rerun_works(tmp_path):
-    import os
-    import signal
-    import stat
-    import time
-
     out = tmp_path / "converted"
     park = tmp_path / "parked"
     process = run_convert(tmp_path, out, park)
@@ -218,16 +218,12 @@ def test_convert_killed_midway_leaves_no_output_and_a_rerun_works(tmp_path):
 
 
 def test_convert_that_fails_cleans_up(tmp_path, monkeypatch):
-    import torch
-
-    import lmcli.io.gguf as lmgguf
-
     checkpoint = lmgguf.GGUFCheckpoint(path=tmp_path / "x.gguf", metadata={}, hf_config={"model_type": "llama"},
                                        tensors={"w": torch.zeros(3)})
     monkeypatch.setattr(lmgguf, "read_gguf", lambda path, dtype=None: checkpoint)
     monkeypatch.setattr("lmcli.io.tokenizer.tokenizer_from_gguf", lambda metadata: _failing_save())
     out = tmp_path / "out"
-    with pytest.raises(lmcli.errors.TokenizerError):
+    with pytest.raises(TokenizerError):
         lmgguf.convert_gguf(tmp_path / "x.gguf", out)
     assert list(tmp_path.iterdir()) == []
 
@@ -235,6 +231,6 @@ def test_convert_that_fails_cleans_up(tmp_path, monkeypatch):
 def _failing_save():
     class Tokenizer:
         def save_pretrained(self, out_dir):
-            raise lmcli.errors.TokenizerError("cannot save the tokenizer")
+            raise TokenizerError("cannot save the tokenizer")
 
     return Tokenizer()
