@@ -84,6 +84,12 @@ class ModelConfig:
             )
         if any(t == SLIDING for t in self.layer_types) and not self.sliding_window:
             raise ConfigError("config: sliding_attention layers need a positive sliding_window")
+        from lmcli.models.layers import ACTIVATIONS  # torch-heavy; config.py itself stays light
+
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"config: unsupported activation '{self.hidden_act}' (supported: {', '.join(sorted(ACTIVATIONS))})"
+            )
         if self.head_dim < 1:
             raise ConfigError(f"config: head_dim is {self.head_dim} (hidden_size smaller than num_attention_heads?)")
         if self.num_experts_per_tok > self.num_local_experts:
@@ -197,8 +203,8 @@ def _problem(value: Any, spec: _Field) -> str | None:
             return "must be a positive finite number"
     elif spec.kind == "bool" and not isinstance(value, bool):
         return "must be true or false"
-    elif spec.kind == "str" and not isinstance(value, str):
-        return "must be a string"
+    elif spec.kind == "str" and not (isinstance(value, str) and len(value) <= 100 and value.isprintable()):
+        return "must be a short one-line string"
     elif spec.kind == "object" and not isinstance(value, dict):
         return "must be an object"
     elif spec.kind == "token_ids":

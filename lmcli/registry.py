@@ -117,4 +117,11 @@ def config_from_hf(hf: dict[str, Any], model: str | None = None, source: str = "
     if model_type is None:
         raise ConfigError("config.json has no model_type; pass --model to name the architecture")
     module = architecture_module(model_type)
-    return module.config_from_hf({**hf, "model_type": model_type})
+    try:
+        return module.config_from_hf({**hf, "model_type": model_type})
+    except ConfigError as error:  # the architectures say "config:"; name the actual file
+        message = str(error)
+        for generic in ("config: ", "config.json: "):
+            if message.startswith(generic):
+                raise ConfigError(f"{source}: {message[len(generic):]}") from None
+        raise

@@ -68,7 +68,7 @@ def test_hidden_size_of_the_wrong_type_or_range(llama_dir, value, why):
         lmcli.load(llama_dir)
     message = str(error.value)
     if why is None:
-        assert message == "config.json: missing field 'hidden_size'"
+        assert message == f"{path}: missing field 'hidden_size'"
     else:
         assert message.startswith(f"{path}: field 'hidden_size' {why}") and json.dumps(value) in message
 
@@ -95,7 +95,7 @@ def test_other_fields_are_checked_by_type_and_range(llama_dir, field, value):
 
 def test_heads_larger_than_hidden_size_is_a_config_error(llama_dir):
     edit_config(llama_dir, lambda c: {**c, "head_dim": None, "num_attention_heads": 64, "num_key_value_heads": 64})
-    with pytest.raises(ConfigError, match="head_dim is 0"):
+    with pytest.raises(ConfigError, match=r"config\.json: head_dim is 0"):
         lmcli.load(llama_dir)
 
 
@@ -121,7 +121,7 @@ def test_index_cannot_name_files_outside_the_checkpoint(llama_dir, shard):
     with pytest.raises(CheckpointError) as error:
         lmcli.load(llama_dir)
     assert str(error.value) == (
-        f"{index}: shard '{shard}' of tensor 'model.norm.weight' is outside the checkpoint directory"
+        f'{index}: shard "{shard}" of tensor "model.norm.weight" is outside the checkpoint directory'
     )
 
 

@@ -52,11 +52,17 @@ def index_shard_names(index: Path) -> dict[str, str]:
         raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files")
     directory = index.parent.resolve()
     for tensor, shard in weight_map.items():
+        # Names are quoted as JSON strings: a hostile one may hold newlines or control characters.
         if not isinstance(shard, str) or not shard:
-            raise CheckpointError(f"{index}: weight_map['{tensor}'] must be a shard file name, got {json.dumps(shard)}")
-        target = (directory / shard).resolve()
-        if Path(shard).is_absolute() or target.parent != directory:
-            raise CheckpointError(f"{index}: shard '{shard}' of tensor '{tensor}' is outside the checkpoint directory")
+            raise CheckpointError(f"{index}: weight_map[{json.dumps(tensor)}] must be a shard file name, "
+                                  f"got {json.dumps(shard)}")
+        try:
+            inside = not Path(shard).is_absolute() and (directory / shard).resolve().parent == directory
+        except (OSError, ValueError):  # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            raise CheckpointError(f"{index}: shard {json.dumps(shard)} of tensor {json.dumps(tensor)} is outside "
+                                  "the checkpoint directory")
     return weight_map
 
 
