@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -58,6 +57,8 @@ def pytest_make_collect_report(collector):
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny models are all per-op overhead; on a busy 2-core machine threads only slow them down."""
+    import torch  # here, not at the top: the suite's own rule tests run pytest without torch
+
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
