@@ -9,6 +9,7 @@ Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 from __future__ import annotations
 
 import enum
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -58,6 +59,7 @@ class _LmcliGroup(TyperGroup):
         args = [a for a in args[:end] if a != "--debug"] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
+            sys.stdout.flush()  # here, where a failure is reported, rather than at interpreter exit
         except click_exceptions.NoArgsIsHelpError as e:
             typer.echo(e.format_message())
             code = 0
@@ -69,6 +71,12 @@ class _LmcliGroup(TyperGroup):
             code = _fail("aborted", 1)
         except LmcliError as e:
             code = _fail(str(e), e.exit_code)
+        except _StdoutClosed:
+            code = _stdout_closed()
+        except OSError as e:  # a stream that cannot be written (a full disk, /dev/full); files name themselves
+            _discard_stdout()
+            where = e.filename if e.filename is not None else "the output"
+            code = _fail(f"cannot write {where}: {e.strerror or e}", 1)
         except Exception as e:  # a bug in lmcli: say so in one line; --debug shows where
             code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
         code = code if isinstance(code, int) else 0
@@ -77,11 +85,40 @@ class _LmcliGroup(TyperGroup):
         return code
 
 
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # raised past click's own EPIPE handling, which would exit 1
+            raise _StdoutClosed() from None
+
+
+class _StdoutClosed(Exception):
+    """stdout's reader went away (EPIPE)."""
+
+
 def _click_usage_line(e) -> str:
     message = " ".join(e.format_message().split())
     if e.ctx is not None:
         message += f" (see '{e.ctx.command_path} --help')"
     return message
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`lmcli ... | head`): stop quietly with exit 0, as `| head` expects.
+
+    Single prompts and batch jobs alike; a job writing to --output is unaffected (stdout carries nothing).
+    """
+    _discard_stdout()
+    return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush has nowhere to fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (CliRunner): nothing to flush at exit
+        pass
 
 
 def _fail(message: str, code: int) -> int:
@@ -341,10 +378,24 @@ def _read_prompt(prompt: str | None) -> str:
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt: give PROMPT, pipe text on stdin, or use --input FILE")
     if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _utf8_text(sys.stdin.buffer.read(), "the prompt on stdin")
+    else:
+        prompt = _utf8_text(os.fsencode(prompt), "the PROMPT argument")  # argv's undecodable bytes, restored
     if not prompt:
         raise UsageError("the prompt is empty")
     return prompt
+
+
+def _utf8_text(raw: bytes, what: str) -> str:
+    """Bytes as UTF-8; invalid sequences become U+FFFD, with a warning naming the first bad byte's offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        sys.stderr.write(
+            f"warning: {what} is not valid UTF-8 (first bad byte at offset {e.start}); "
+            "invalid bytes were replaced with U+FFFD\n"
+        )
+        return raw.decode("utf-8", errors="replace")
 
 
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}

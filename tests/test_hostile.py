@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_fixtures import subprocess_env
+from cli_fixtures import subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
 from tiny import save_reference
+from typer.testing import CliRunner
 
 import lmcli
 import lmcli.io.gguf as lmgguf
+from lmcli.cli import app
 from lmcli.errors import CheckpointError, ConfigError, TokenizerError
 
 
@@ -234,3 +236,57 @@ def _failing_save():
             raise TokenizerError("cannot save the tokenizer")
 
     return Tokenizer()
+
+
+# --- the command line: input bytes and output streams -------------------------------------------
+
+
+def cli_generate(checkpoint, *args, input=None):
+    return CliRunner().invoke(app, ["generate", "-c", str(checkpoint), "--format", "jsonl", "--greedy", "-n", "3",
+                                    *map(str, args)], input=input)
+
+
+@pytest.mark.parametrize("where", ["stdin", "argv"])
+def test_invalid_utf8_prompt_is_replaced_with_a_warning(tiny_checkpoint, where):
+    raw = "Привет".encode() + b"\xff\xfe x"
+    if where == "stdin":
+        result = cli_generate(tiny_checkpoint, "-", input=raw)
+    else:
+        result = cli_generate(tiny_checkpoint, os.fsdecode(raw))  # how Python hands undecodable argv bytes over
+    assert result.exit_code == 0, result.stderr
+    what = "the prompt on stdin" if where == "stdin" else "the PROMPT argument"
+    assert result.stderr.splitlines()[0] == (
+        f"warning: {what} is not valid UTF-8 (first bad byte at offset 12); invalid bytes were replaced with U+FFFD"
+    )
+    assert json.loads(result.stdout)["prompt"] == "Привет\ufffd\ufffd x"
+
+
+def run_piped(checkpoint, *args, stdout):
+    return subprocess.run([sys.executable, "-m", "lmcli", "generate", "-c", str(checkpoint), *map(str, args)],
+                          stdout=stdout, stderr=subprocess.PIPE, timeout=300, env=subprocess_env())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_stdout_that_cannot_be_written_is_one_line_and_exit_1(tiny_checkpoint):
+    with open("/dev/full", "w") as full:
+        result = run_piped(tiny_checkpoint, "--greedy", "-n", 3, "hello", stdout=full)
+    assert result.returncode == 1
+    assert result.stderr.decode() == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_closed_pipe_ends_quietly_with_exit_0(tiny_checkpoint, tmp_path, batch):
+    """`lmcli generate ... | head -c 1`: the documented behaviour is exit 0 and nothing on stderr."""
+    args = ["--greedy", "--ignore-eos", "-n", 64]
+    if batch:
+        source = tmp_path / "in.txt"
+        source.write_text("one\ntwo\nthree\nfour\n")
+        args += ["--input", source, "--batch-size", 1]
+    else:
+        args += ["hello"]
+    job = subprocess.Popen([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), *map(str, args)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+    assert job.stdout.read(1)  # the first output arrived; now the reader goes away
+    job.stdout.close()
+    stderr = job.stderr.read().decode()
+    assert job.wait(timeout=300) == 0 and stderr == ""
