@@ -290,3 +290,77 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tiny_checkpoint, tmp_path, batch
     job.stdout.close()
     stderr = job.stderr.read().decode()
     assert job.wait(timeout=300) == 0 and stderr == ""
+
+
+# --- chat templates: code from a stranger, bounded ----------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "{{ 'a' * 10000000000 }}": "a repeated string or list would hold 10,000,000,000 items",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}":
+        "a joined string would hold 1,048,576 items",
+    "{{ 'a'|center(10000000000) }}": "center's result would hold 10,000,000,000 items",
+    "{{ '{:>10000000000}'.format(1) }}": "a format width or precision over 1,000,000",
+    "{{ '%10000000000s' % 'a' }}": "a format width or precision over 1,000,000",
+    "{{ 7 ** 100000000 }}": "a power over 4096 bits",
+    "{% for i in range(100000) %}{{ 'x' * 999999 }}{% endfor %}":
+        "the rendered prompt is longer than 1,000,000 characters",
+}
+
+
+@pytest.fixture
+def template_dir(tiny_checkpoint, tmp_path):
+    for path in tiny_checkpoint.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def with_template(directory, template):
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+
+
+@pytest.mark.parametrize("template", list(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_fail_in_one_line_before_using_memory(template_dir, template):
+    import tracemalloc
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, template)
+    tokenizer = load_tokenizer(template_dir)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TokenizerError) as error:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(error.value) == f"{template_dir}: chat template failed: {HOSTILE_TEMPLATES[template]}" + (
+        " (the limit is 1,000,000)" if "would hold" in HOSTILE_TEMPLATES[template] else "")
+    assert peak < 64 * 2**20  # refused before the string was built
+
+
+def test_a_template_that_runs_forever_is_stopped(template_dir, monkeypatch):
+    from lmcli.io.tokenizer import chat_template, load_tokenizer
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.5)
+    with_template(template_dir, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(TokenizerError, match=r"chat template failed: rendering took longer than 0.5 s$"):
+        load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_cli_names_the_checkpoint_and_exits_1(template_dir):
+    with_template(template_dir, "{{ 'a' * 10000000000 }}")
+    result = cli_generate(template_dir, "--chat", "hi")
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: {template_dir}: chat template failed: a repeated string or list would hold "
+                             "10,000,000,000 items (the limit is 1,000,000)\n")
+
+
+def test_ordinary_template_operations_still_work(template_dir):
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, "{{ 'ab' * 3 }}|{{ [1] + [2] }}|{{ 'x' ~ 'y' }}|{{ '%s-%d' % ('a', 2) }}|"
+                                "{{ '{}!'.format('hi') }}|{{ 2 ** 10 }}|{{ 'a'|center(5) }}|{{ ['p', 'q']|join(',') }}|"
+                                "{{ messages[0]['content'] | replace('h', 'H') }}")
+    rendered = load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "ababab|[1, 2]|xy|a-2|hi!|1024|  a  |p,q|Hi"
