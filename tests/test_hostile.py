@@ -364,3 +364,38 @@ def test_ordinary_template_operations_still_work(template_dir):
                                 "{{ messages[0]['content'] | replace('h', 'H') }}")
     rendered = load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "ababab|[1, 2]|xy|a-2|hi!|1024|  a  |p,q|Hi"
+
+
+# --- flag values: usage errors before any model loads ---------------------------------------------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "nan"], "--top-p must be a finite number, got nan"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number, got inf"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["-n", "0"], "--max-new-tokens must be at least 1"),
+    (["--seed", "-1"], "--seed must be between 0 and 2**63-1"),
+    (["--stop", ""], "--stop must not be an empty string"),
+    (["--temperature", "abc"], "Invalid value for '--temperature'"),
+])
+def test_invalid_flag_values_are_usage_errors_before_loading(tmp_path, flags, message):
+    # An empty directory: loading it would fail with exit 1, so exit 2 shows the flags were checked first.
+    result = CliRunner().invoke(app, ["generate", "-c", str(tmp_path), *flags, "hi"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"error: {message}") and result.stderr.count("\n") == 1
+
+
+def test_a_job_row_with_nan_temperature_is_that_rows_error(tmp_path):
+    from lmcli.jobs import read_rows
+    from lmcli.settings import GenerationSettings
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "a", "temperature": NaN}\n{"prompt": "b", "top_p": Infinity}\n')
+    bad = [row.error for row in read_rows(source, GenerationSettings())]
+    assert bad == ['line 1: "temperature" must be a finite number, got nan',
+                   'line 2: "top_p" must be a finite number, got inf']
