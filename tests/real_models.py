@@ -49,10 +49,10 @@ def gemma_checkpoint_path() -> Path:
     (kept across runs, unlike the per-session LMCLI_CACHE_DIR)."""
     target = TEST_CACHE_DIR / "models" / GEMMA_FILE
     stamp = target.with_name(target.name + ".verified")
+    if default_model._package_dir(GEMMA_PACKAGE) is None:  # first: an assembled copy outlives the package
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
     if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
         return target
-    if default_model._package_dir(GEMMA_PACKAGE) is None:
-        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
     assembler = importlib.import_module(GEMMA_PACKAGE)
     target.parent.mkdir(parents=True, exist_ok=True)
     if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost

@@ -399,3 +399,32 @@ def test_a_job_row_with_nan_temperature_is_that_rows_error(tmp_path):
     bad = [row.error for row in read_rows(source, GenerationSettings())]
     assert bad == ['line 1: "temperature" must be a finite number, got nan',
                    'line 2: "top_p" must be a finite number, got inf']
+
+
+# --- GGUF metadata of the wrong type --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, write, expected", [
+    ("llama.block_count", lambda w, k: w.add_string(k, "two"), "must be a non-negative integer (or one per layer), got str"),
+    ("llama.embedding_length", lambda w, k: w.add_float32(k, 32.5), "must be a non-negative integer (or one per layer), got float"),
+    ("llama.attention.layer_norm_rms_epsilon", lambda w, k: w.add_string(k, "1e-5"), "must be a number, got str"),
+    ("tokenizer.ggml.bos_token_id", lambda w, k: w.add_bool(k, True), "must be a non-negative integer (or one per layer), got bool"),
+    ("tokenizer.ggml.tokens", lambda w, k: w.add_array(k, [1, 2]), "must be an array of strings, got an array of 2"),
+    ("general.name", lambda w, k: w.add_uint32(k, 7), "must be a string, got int"),
+])
+def test_gguf_metadata_of_the_wrong_type_names_the_key(tmp_path, key, write, expected):
+    import gguf
+
+    from lmcli.errors import GGUFError
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write(writer, key)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError) as error:
+        read_gguf_header(path)
+    assert str(error.value) == f"{path}: metadata '{key}' {expected}"
