@@ -272,6 +272,10 @@ def generate(
     system: Annotated[
         str | None, typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
     ] = None,
+    no_truncate: Annotated[
+        bool, typer.Option("--no-truncate", metavar="", rich_help_panel=PROMPT_PANEL,
+                           help="Refuse a prompt longer than the model's context (default: drop its start, with a warning).")
+    ] = False,
     output_format: Annotated[
         OutputFormat | None,
         typer.Option("--format", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
@@ -337,6 +341,7 @@ def generate(
         chat=chat,
         system=system,
         logprobs=logprobs,
+        truncate=not no_truncate,
     )
 
     def load():
@@ -398,16 +403,18 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     import json
 
     from lmcli.console import PlainOutput, TerminalOutput, print_dim, row_summary
-    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
+    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template, truncation_warning
     from lmcli.settings import RowError
 
     model, tokenizer = load()
     if settings.chat:
         require_chat_template(tokenizer)
     try:
-        row = prepare_row(tokenizer, 1, prompt, settings)
+        row = prepare_row(tokenizer, 1, prompt, settings, context=model.config.max_position_embeddings)
     except RowError as e:
         raise UsageError(str(e)) from None
+    if row.dropped_tokens:
+        sys.stderr.write(truncation_warning(row, model.config.max_position_embeddings) + "\n")
 
     terminal = sys.stdout.isatty()
     if output_format == OutputFormat.jsonl:

@@ -51,6 +51,7 @@ class GenerationSettings:
     chat: bool = False
     system: str | None = None
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
+    truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
 
     @property
     def greedy(self) -> bool:

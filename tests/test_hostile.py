@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -428,3 +429,44 @@ def test_gguf_metadata_of_the_wrong_type_names_the_key(tmp_path, key, write, exp
     with pytest.raises(GGUFError) as error:
         read_gguf_header(path)
     assert str(error.value) == f"{path}: metadata '{key}' {expected}"
+
+
+# --- a prompt longer than the context --------------------------------------------------------------
+
+
+def test_a_prompt_longer_than_the_context_is_cut_once_with_a_warning(tiny_checkpoint):
+    """The tiny model's context is 512 tokens; the CLI's output equals model.generate on the prompt's last
+    512 - 16 tokens (room for -n 16), computed directly."""
+    import torch
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 80
+    ids = load_tokenizer(tiny_checkpoint).encode(prompt)
+    assert len(ids) > 512
+    result = cli_generate(tiny_checkpoint, "--ignore-eos", "-n", 16, "--logprobs", 0, prompt)
+    assert result.exit_code == 0, result.stderr
+    dropped = len(ids) - (512 - 16)
+    assert result.stderr == (f"warning: the prompt has {len(ids)} tokens but the context holds 512; its first "
+                             f"{dropped} tokens were dropped (use --no-truncate to refuse instead)\n")
+    row = json.loads(result.stdout)
+    assert row["prompt_tokens"] == 512 - 16
+    model, _ = lmcli.load(tiny_checkpoint)
+    kept = torch.tensor([ids[dropped:]])
+    expected = model.generate(kept, 16, do_sample=False)[0, kept.shape[1]:].tolist()
+    assert [step["id"] for step in row["logprobs"]] == expected
+
+
+def test_no_truncate_refuses_a_prompt_longer_than_the_context(tiny_checkpoint, tmp_path):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 80
+    result = cli_generate(tiny_checkpoint, "--no-truncate", prompt)
+    assert result.exit_code == 2
+    assert re.fullmatch(r"error: the prompt has \d+ tokens but the model's context holds 512 \(drop --no-truncate "
+                        r"to keep its end\)\n", result.stderr)
+    source = tmp_path / "in.txt"
+    source.write_text(f"short\n{prompt}\n")
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--input", str(source), "--greedy",
+                                      "-n", "2", "--no-truncate"])
+    assert result.exit_code == 1  # the job goes on; the long row is that row's error
+    rows = {row["id"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert "error" not in rows[1] and "the model's context holds 512" in rows[2]["error"]

@@ -325,9 +325,8 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
 
     `out_dir` appears complete or not at all (lmcli.io.atomic).
     """
-    from lmcli.io.tokenizer import tokenizer_from_gguf
-
     from lmcli.io.atomic import atomic_directory
+    from lmcli.io.tokenizer import tokenizer_from_gguf
 
     checkpoint = read_gguf(path, dtype)
     tokenizer = tokenizer_from_gguf(checkpoint.metadata)
