@@ -185,3 +185,83 @@ def test_job_rows(tmp_path, lines):
         for row in rows:
             assert (row.error is None) == (row.settings is not None and isinstance(row.prompt, str))
             assert row.error is None or "\n" not in row.error
+
+
+# --- GGUF files --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(tmp_path_factory) -> bytes:
+    """A small llama GGUF: the metadata lmcli reads, a vocabulary, and two tensors (F32 and Q8_0)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("gguf") / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 64), ("embedding_length", 32), ("feed_forward_length", 48),
+                       ("block_count", 1), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a", "b"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    writer.add_token_types([2, 3, 3, 1, 1])
+    writer.add_tensor("token_embd.weight", np.arange(5 * 32, dtype=np.float32).reshape(5, 32))
+    writer.add_tensor("output_norm.weight", gguf.quants.quantize(np.ones((1, 32), dtype=np.float32),
+                                                                 gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@fuzz
+@given(edits=byte_edits)
+def test_gguf_byte_mutations(tmp_path, gguf_bytes, edits):
+    from lmcli.io.gguf import read_gguf
+    from lmcli.io.tokenizer import tokenizer_from_gguf
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(mutate(gguf_bytes, edits))
+    checkpoint = only_lmcli_errors(lambda: read_gguf(path))
+    if not isinstance(checkpoint, LmcliError):
+        only_lmcli_errors(lambda: tokenizer_from_gguf(checkpoint.metadata))
+        only_lmcli_errors(lambda: registry.config_from_hf(checkpoint.hf_config, source=str(path)))
+
+
+@fuzz
+@given(count=st.integers(0, 2**64 - 1), at=st.sampled_from([8, 16]))
+def test_gguf_counts_that_lie(tmp_path, gguf_bytes, count, at):
+    """Tensor and metadata counts (bytes 8 and 16) of any size: refused before anything is allocated."""
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_bytes[:at] + struct.pack("<Q", count) + gguf_bytes[at + 8:])
+    only_lmcli_errors(lambda: read_gguf_header(path))
+
+
+# --- chat templates ---------------------------------------------------------------------------------
+
+TEMPLATE_PIECES = [
+    "{{ messages[0]['content'] }}", "{% for m in messages %}", "{% endfor %}", "{% if add_generation_prompt %}",
+    "{% endif %}", "{{ 'ab' * 400000 }}", "{{ 'x' * N }}", "{% set ns = namespace(s='ab') %}",
+    "{% set ns.s = ns.s ~ ns.s %}", "{% set ns.s = ns.s + ns.s %}", "{{ ns.s }}", "{% for i in range(100000) %}",
+    "{{ '%099999s' % 'a' }}", "{{ 'a'|center(N) }}", "{{ 'a'.ljust(N) }}", "{{ 'a'|indent(N) }}",
+    "{{ 3 ** N }}", "{{ messages * N }}", "{{ raise_exception('no') }}", "{{ x.__class__ }}", "{{ m.content|tojson }}",
+    "{{ (messages|list) + (messages|list) }}", "{{ '{:{}}'.format(1, N) }}", "text", "{{", "{%",
+]
+
+
+@fuzz
+@given(pieces=st.lists(st.sampled_from(TEMPLATE_PIECES), max_size=8), n=st.integers(-5, 10**12))
+def test_chat_templates_of_any_shape(pieces, n):
+    from lmcli.io.tokenizer import chat_template
+    from lmcli.io.tokenizer.facade import Tokenizer
+
+    tokenizer = Tokenizer.__new__(Tokenizer)  # only the template half of a tokenizer is exercised
+    tokenizer.name, tokenizer.chat_template = "tokenizer_config.json", "".join(pieces).replace("N", str(n))
+    tokenizer.bos_token = tokenizer.eos_token = tokenizer.unk_token = tokenizer.pad_token = None
+    rendered = only_lmcli_errors(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert isinstance(rendered, LmcliError) or len(rendered) <= chat_template.MAX_OUTPUT
