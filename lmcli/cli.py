@@ -62,10 +62,17 @@ class _LmcliGroup(TyperGroup):
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
                                windows_expand_args=windows_expand_args, **extra)
+            sys.stdout.flush()  # here, where a failure is reported, rather than at interpreter exit
         except typer.Abort:
             code = _fail("aborted", 1)
         except LmcliError as e:
             code = _fail(str(e), e.exit_code)
+        except _StdoutClosed:
+            code = _stdout_closed()
+        except OSError as e:  # a stream that cannot be written (a full disk, /dev/full); files name themselves
+            _discard_stdout()
+            where = e.filename if e.filename is not None else "the output"
+            code = _fail(f"cannot write {where}: {e.strerror or e}", 1)
         except Exception as e:
             code = _click_exception_code(e)
             if code is None:  # a bug in lmcli: say so in one line; --debug shows where
@@ -74,6 +81,17 @@ class _LmcliGroup(TyperGroup):
         if standalone_mode:
             sys.exit(code)
         return code
+
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:  # raised past click's own EPIPE handling, which would exit 1
+            raise _StdoutClosed() from None
+
+
+class _StdoutClosed(Exception):
+    """stdout's reader went away (EPIPE)."""
 
 
 def _click_exception_code(e: Exception) -> int | None:
@@ -91,6 +109,24 @@ def _click_exception_code(e: Exception) -> int | None:
     if context is not None:
         message += f" (see '{context.command_path} --help')"
     return _fail(message, exit_code)
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`lmcli ... | head`): stop quietly with exit 0, as `| head` expects.
+
+    Single prompts and batch jobs alike; a job writing to --output is unaffected (stdout carries nothing).
+    """
+    _discard_stdout()
+    return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's last flush has nowhere to fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (CliRunner): nothing to flush at exit
+        pass
 
 
 def _fail(message: str, code: int) -> int:
@@ -272,6 +308,10 @@ def generate(
     system: Annotated[
         str | None, typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
     ] = None,
+    no_truncate: Annotated[
+        bool, typer.Option("--no-truncate", metavar="", rich_help_panel=PROMPT_PANEL,
+                           help="Refuse a prompt longer than the model's context (default: drop its start, with a warning).")
+    ] = False,
     output_format: Annotated[
         OutputFormat | None,
         typer.Option("--format", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
@@ -346,6 +386,7 @@ def generate(
         chat=chat,
         system=system,
         logprobs=logprobs,
+        truncate=not no_truncate,
     )
 
     def load():
@@ -413,10 +454,24 @@ def _read_prompt(prompt: str | None) -> str:
     if prompt is None and sys.stdin.isatty():
         raise UsageError("no prompt: give PROMPT, pipe text on stdin, or use --input FILE")
     if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = _utf8_text(sys.stdin.buffer.read(), "the prompt on stdin")
+    else:
+        prompt = _utf8_text(os.fsencode(prompt), "the PROMPT argument")  # argv's undecodable bytes, restored
     if not prompt:
         raise UsageError("the prompt is empty")
     return prompt
+
+
+def _utf8_text(raw: bytes, what: str) -> str:
+    """Bytes as UTF-8; invalid sequences become U+FFFD, with a warning naming the first bad byte's offset."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        sys.stderr.write(
+            f"warning: {what} is not valid UTF-8 (first bad byte at offset {e.start}); "
+            "invalid bytes were replaced with U+FFFD\n"
+        )
+        return raw.decode("utf-8", errors="replace")
 
 
 def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False) -> None:
@@ -431,7 +486,7 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
         probability_style,
         row_summary,
     )
-    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
+    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template, truncation_warning
     from lmcli.settings import RowError
 
     model, tokenizer = load()
@@ -443,9 +498,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     if shading is not None:
         settings = dataclasses.replace(settings, logprobs=0)
     try:
-        row = prepare_row(tokenizer, 1, prompt, settings)
+        row = prepare_row(tokenizer, 1, prompt, settings, context=model.config.max_position_embeddings)
     except RowError as e:
         raise UsageError(str(e)) from None
+    if row.dropped_tokens:
+        sys.stderr.write(truncation_warning(row, model.config.max_position_embeddings) + "\n")
 
     if output_format == OutputFormat.jsonl:
         output, on_text = None, None
@@ -742,7 +799,7 @@ def convert(
     """Write a GGUF checkpoint as an HF-style directory (dequantised; loads in lmcli and transformers)."""
     if gguf_file.suffix != ".gguf":
         raise typer.BadParameter(f"{gguf_file} is not a .gguf file", param_hint="GGUF")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise UsageError(f"{out_dir}: directory is not empty; choose a new OUT_DIR")
     import torch
 

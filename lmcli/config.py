@@ -7,6 +7,8 @@ architecture's `config_from_hf`. The shared decoder switches on these fields, ne
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +96,19 @@ class ModelConfig:
             )
         if any(t == SLIDING for t in self.layer_types) and not self.sliding_window:
             raise ConfigError("config: sliding_attention layers need a positive sliding_window")
+        from lmcli.models.layers import ACTIVATIONS  # torch-heavy; config.py itself stays light
+
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(
+                f"config: unsupported activation '{self.hidden_act}' (supported: {', '.join(sorted(ACTIVATIONS))})"
+            )
+        if self.head_dim < 1:
+            raise ConfigError(f"config: head_dim is {self.head_dim} (hidden_size smaller than num_attention_heads?)")
+        if self.num_experts_per_tok > self.num_local_experts:
+            raise ConfigError(
+                f"config: num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_local_experts "
+                f"({self.num_local_experts})"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"config: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -107,6 +122,144 @@ class ModelConfig:
     @property
     def uses_sliding_window(self) -> bool:
         return SLIDING in self.layer_types
+
+
+# --- config.json validation: every field lmcli reads, by type and range, checked once --------------
+
+# Upper bounds are far above any released model and keep a hostile config from asking for absurd sizes.
+_SIZE = 1 << 20  # hidden, intermediate, head sizes
+_COUNT = 1 << 16  # layers, heads, experts
+_TOKENS = 1 << 24  # vocabulary, token ids, sliding windows, learned positions
+_CONTEXT = (1 << 31) - 1  # context lengths (RoPE positions cost nothing until used)
+
+
+@dataclass(frozen=True)
+class _Field:
+    kind: str  # int | float | bool | str | token_ids | layer_types | object
+    low: float = 0  # ints: the inclusive range; floats are always positive and finite
+    high: float = math.inf
+    nullable: bool = True  # the readers treat null as "not given"; False where they would not
+
+
+_ROPE_FIELDS = {
+    "rope_theta": _Field("float", nullable=False),
+    "rope_type": _Field("str"),
+    "type": _Field("str"),
+    "factor": _Field("float"),
+    "low_freq_factor": _Field("float", nullable=False),
+    "high_freq_factor": _Field("float", nullable=False),
+    "original_max_position_embeddings": _Field("int", 1, _CONTEXT),
+}
+
+HF_FIELDS = {
+    "model_type": _Field("str"),
+    "vocab_size": _Field("int", 1, _TOKENS, nullable=False),
+    "hidden_size": _Field("int", 1, _SIZE),
+    "intermediate_size": _Field("int", 1, _SIZE),
+    "num_hidden_layers": _Field("int", 1, _COUNT),
+    "num_attention_heads": _Field("int", 1, _COUNT),
+    "num_key_value_heads": _Field("int", 1, _COUNT),
+    "head_dim": _Field("int", 1, _SIZE),
+    "max_position_embeddings": _Field("int", 1, _CONTEXT),
+    "rms_norm_eps": _Field("float", nullable=False),
+    "tie_word_embeddings": _Field("bool", nullable=False),
+    "attention_bias": _Field("bool", nullable=False),
+    "mlp_bias": _Field("bool", nullable=False),
+    "hidden_act": _Field("str", nullable=False),
+    "hidden_activation": _Field("str"),
+    "sliding_window": _Field("int", 1, _CONTEXT),
+    "use_sliding_window": _Field("bool"),
+    "max_window_layers": _Field("int", 0, _COUNT, nullable=False),
+    "sliding_window_pattern": _Field("int", 1, _COUNT),
+    "layer_types": _Field("layer_types"),
+    "query_pre_attn_scalar": _Field("float"),
+    "attn_logit_softcapping": _Field("float"),
+    "final_logit_softcapping": _Field("float"),
+    "rope_local_base_freq": _Field("float", nullable=False),
+    "num_local_experts": _Field("int", 1, _COUNT),
+    "num_experts_per_tok": _Field("int", 1, _COUNT),
+    "bos_token_id": _Field("token_ids"),
+    "eos_token_id": _Field("token_ids"),
+    "pad_token_id": _Field("token_ids"),
+    "torch_dtype": _Field("str"),
+    "dtype": _Field("str"),
+    # gpt2 spells its sizes its own way
+    "n_embd": _Field("int", 1, _SIZE, nullable=False),
+    "n_head": _Field("int", 1, _COUNT, nullable=False),
+    "n_layer": _Field("int", 1, _COUNT, nullable=False),
+    "n_inner": _Field("int", 1, _SIZE),
+    "n_positions": _Field("int", 1, _TOKENS, nullable=False),
+    "layer_norm_epsilon": _Field("float", nullable=False),
+    "activation_function": _Field("str", nullable=False),
+    "rope_theta": _Field("float", nullable=False),
+    "rope_scaling": _Field("object"),
+    "rope_parameters": _Field("object"),
+}
+
+
+def _problem(value: Any, spec: _Field) -> str | None:
+    """Why `value` does not fit `spec`, or None when it does."""
+    if value is None:
+        return None if spec.nullable else "must not be null"
+    if spec.kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            return "must be an integer"
+        if not spec.low <= value <= spec.high:
+            return f"must be between {spec.low:.0f} and {spec.high:.0f}"
+    elif spec.kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        if not (math.isfinite(value) and value > 0):
+            return "must be a positive finite number"
+    elif spec.kind == "bool" and not isinstance(value, bool):
+        return "must be true or false"
+    elif spec.kind == "str" and not (isinstance(value, str) and len(value) <= 100 and value.isprintable()):
+        return "must be a short one-line string"
+    elif spec.kind == "object" and not isinstance(value, dict):
+        return "must be an object"
+    elif spec.kind == "token_ids":
+        ids = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < _TOKENS for i in ids):
+            return "must be a token id (a non-negative integer) or a list of them"
+    elif spec.kind == "layer_types" and not (isinstance(value, list) and all(t in (FULL, SLIDING) for t in value)):
+        return f"must be a list of '{FULL}' / '{SLIDING}'"
+    return None
+
+
+def _check_fields(hf: dict[str, Any], fields: dict[str, _Field], source: str, prefix: str = "") -> None:
+    for name, spec in fields.items():
+        if name in hf:
+            why = _problem(hf[name], spec)
+            if why is not None:
+                shown = json.dumps(hf[name])
+                shown = shown if len(shown) <= 40 else shown[:37] + "..."
+                raise ConfigError(f"{source}: field '{prefix}{name}' {why}, got {shown}")
+
+
+def validate_hf_config(hf: Any, source: str = "config.json") -> dict[str, Any]:
+    """Check an HF config dict's fields by type and range before any architecture reads them.
+
+    `source` names the file in the one-line ConfigError (config.json, a preset, a GGUF file).
+    Unknown fields are left alone: lmcli never reads them.
+    """
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{source}: expected a JSON object, got {_json_kind(hf)}")
+    _check_fields(hf, HF_FIELDS, source)
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        if not isinstance(params, dict):
+            continue
+        nested = [(f"{key}.{t}.", params[t]) for t in (FULL, SLIDING) if t in params]
+        for prefix, value in nested or [(f"{key}.", params)]:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: field '{prefix[:-1]}' must be an object, got {_json_kind(value)}")
+            _check_fields(value, _ROPE_FIELDS, source, prefix)
+    return hf
+
+
+def _json_kind(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 # --- helpers shared by the architectures' config_from_hf ------------------------------------------

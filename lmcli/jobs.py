@@ -55,6 +55,7 @@ from lmcli.generation.rows import (
     plan_batches,
     prepare_row,
     require_chat_template,
+    truncation_warning,
 )
 from lmcli.settings import GenerationSettings, RowError, input_hash
 
@@ -398,7 +399,11 @@ def run_job(
             prepared = []
             for row, prompt, settings in pending:
                 try:
-                    prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash))
+                    prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash,
+                                                context=model.config.max_position_embeddings))
+                    if prepared[-1].dropped_tokens:
+                        warning = truncation_warning(prepared[-1], model.config.max_position_embeddings)
+                        sys.stderr.write(f"row {json.dumps(row.id)}: {warning}\n")
                 except RowError as e:
                     write_error(row, f"line {row.line}: {e}")
                     progress.advance()

@@ -132,24 +132,26 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
 
         # GGUF weights are quantised or float: `auto` is decided by the device alone.
         gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
-        config = registry.config_from_hf(gguf.hf_config, model)
+        config = registry.config_from_hf(gguf.hf_config, model, source=str(path))
         tensors = gguf.tensors
         tokenizer = tokenizer_from_gguf(gguf.metadata)
         source = str(path)
     else:
         if path.is_dir():
             config_path = path / "config.json"
+            config_source = str(config_path)
             preset = registry.preset_config(model) if model is not None else None
             if config_path.is_file():
                 hf_config = _read_config_json(config_path)
             elif preset is not None:
-                hf_config = preset
+                hf_config, config_source = preset, f"preset {model}"
             else:
                 raise CheckpointError(f"{path}: no config.json (pass --model with a preset name to supply one)")
             files = safetensors_files(path)
             tokenizer_dir = path
         elif path.suffix == ".safetensors":
             beside = path.parent / "config.json"
+            config_source = f"preset {model}" if model is not None else str(beside)
             if model is not None:
                 preset = registry.preset_config(model)
                 if preset is None:
@@ -165,7 +167,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
             tokenizer_dir = path.parent
         else:
             raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
-        config = registry.config_from_hf(hf_config, model)
+        config = registry.config_from_hf(hf_config, model, source=config_source)
         target_dtype = resolve_dtype(dtype, device, config.torch_dtype)
         if tp is not None:
             from lmcli import distributed
@@ -189,8 +191,12 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         tensors = module.convert_checkpoint(tensors, config)
     if parallel is not None:
         tensors = parallel.take_shards(tensors, target_dtype)
-    with _uninitialised_parameters():
-        built = BaseModel(config) if parallel is None else parallel.build_model()
+    try:
+        with _uninitialised_parameters():
+            built = BaseModel(config) if parallel is None else parallel.build_model()
+    except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({reason})") from None
     tensors = {name: t.to(device=device) for name, t in tensors.items()}
     fill_model(built, tensors, source, origin)
     built.use_fast_layout()

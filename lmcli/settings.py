@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ class GenerationSettings:
     chat: bool = False
     system: str | None = None
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
+    truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
 
     @property
     def greedy(self) -> bool:
@@ -104,6 +106,10 @@ class GenerationSettings:
 
     def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
         """Raise `error` with one line saying which setting is wrong and why."""
+        for number in ("temperature", "top_p", "repetition_penalty"):  # nan passes every comparison below
+            value = getattr(self, number)
+            if value is not None and not math.isfinite(value):
+                raise error(f"{name(number)} must be a finite number, got {value}")
         if self.max_new_tokens < 1:
             raise error(f"{name('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
         if self.temperature < 0:

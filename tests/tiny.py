@@ -38,7 +38,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "gemma3_text": ("gemma3_text", dict(BASE, head_dim=16, num_hidden_layers=3, sliding_window=4,
                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                         rope_theta=100000.0, rope_local_base_freq=10000.0,
-                                        query_pre_attn_scalar=16)),
+                                        query_pre_attn_scalar=24)),  # != head_dim: the scale shows
 }
 
 

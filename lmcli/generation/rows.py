@@ -33,6 +33,25 @@ class PreparedRow:
     prompt_ids: list[int]
     seed: int | None
     input_hash: str
+    dropped_tokens: int = 0  # cut from the start of a prompt longer than the context
+
+
+def fit_to_context(ids: list[int], context: int, settings: GenerationSettings) -> tuple[list[int], int]:
+    """A prompt longer than the model's context, cut once before generation so the KV cache is used:
+    its start is dropped, leaving room for max_new_tokens (up to half the context). Returns (ids, dropped);
+    RowError when settings.truncate is False."""
+    if len(ids) <= context:
+        return ids, 0
+    if not settings.truncate:
+        raise RowError(f"the prompt has {len(ids)} tokens but the model's context holds {context} "
+                       "(drop --no-truncate to keep its end)")
+    keep = context - min(settings.max_new_tokens, context // 2)
+    return ids[-keep:], len(ids) - keep
+
+
+def truncation_warning(row: PreparedRow, context: int) -> str:
+    return (f"warning: the prompt has {len(row.prompt_ids) + row.dropped_tokens} tokens but the context holds "
+            f"{context}; its first {row.dropped_tokens} tokens were dropped (use --no-truncate to refuse instead)")
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | list[dict], settings: GenerationSettings) -> list[int]:
@@ -50,16 +69,19 @@ def require_chat_template(tokenizer: Tokenizer) -> None:
         raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
 
 
-def prepare_row(tokenizer: Tokenizer, row_id: int | str, prompt: str | list[dict], settings: GenerationSettings, hash_: str | None = None,
+def prepare_row(tokenizer: Tokenizer, row_id: int | str, prompt: str | list[dict], settings: GenerationSettings,
+                hash_: str | None = None, context: int | None = None,
                 prompt_ids: list[int] | None = None) -> PreparedRow:
-    """Tokenise a prompt (unless its `prompt_ids` are given) and fix its seed; raises RowError for an empty prompt."""
+    """Tokenise a prompt (unless its `prompt_ids` are given), fit it to `context` tokens (fit_to_context)
+    and fix its seed; raises RowError for an empty prompt, or one too long with truncation off."""
     ids = encode_prompt(tokenizer, prompt, settings) if prompt_ids is None else prompt_ids
     if not ids:
         raise RowError("the prompt is empty (it encodes to no tokens)")
+    ids, dropped = fit_to_context(ids, context, settings) if context is not None else (ids, 0)
     seed = settings.seed
     if seed is None and not settings.greedy:
         seed = secrets.randbelow(2**32)  # recorded in the output, so the row can be reproduced
-    return PreparedRow(row_id, prompt, settings, ids, seed, hash_ or input_hash(prompt, settings))
+    return PreparedRow(row_id, prompt, settings, ids, seed, hash_ or input_hash(prompt, settings), dropped)
 
 
 @dataclass

@@ -25,11 +25,7 @@ def safetensors_files(directory: Path) -> list[Path]:
     """The weight files of an HF directory: model.safetensors, or the shards its index names."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
-        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        files = [directory / name for name in dict.fromkeys(index_shard_names(index).values())]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{index}: shard file not found: {missing[0]}")
@@ -43,6 +39,35 @@ def safetensors_files(directory: Path) -> list[Path]:
             "(convert them with safetensors, or use a .gguf file)"
         )
     raise CheckpointError(f"{directory}: no model.safetensors or model.safetensors.index.json")
+
+
+def index_shard_names(index: Path) -> dict[str, str]:
+    """The `weight_map` of a safetensors index (tensor name -> shard file name), validated.
+
+    Every shard must be a plain file name inside the checkpoint directory: an index is data from a
+    stranger, and `../../etc/passwd` or an absolute path must never be opened.
+    """
+    try:
+        parsed = json.loads(index.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{index}: not a valid safetensors index ({' '.join(str(exc).split())})") from None
+    weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files")
+    directory = index.parent.resolve()
+    for tensor, shard in weight_map.items():
+        # Names are quoted as JSON strings: a hostile one may hold newlines or control characters.
+        if not isinstance(shard, str) or not shard:
+            raise CheckpointError(f"{index}: weight_map[{json.dumps(tensor)}] must be a shard file name, "
+                                  f"got {json.dumps(shard)}")
+        try:
+            inside = not Path(shard).is_absolute() and (directory / shard).resolve().parent == directory
+        except (OSError, ValueError):  # a NUL byte, a symlink loop
+            inside = False
+        if not inside:
+            raise CheckpointError(f"{index}: shard {json.dumps(shard)} of tensor {json.dumps(tensor)} is outside "
+                                  "the checkpoint directory")
+    return weight_map
 
 
 def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:

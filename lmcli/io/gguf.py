@@ -331,12 +331,17 @@ def write_hf_weights(checkpoint: GGUFCheckpoint, out_dir: str | Path) -> None:
 
 
 def convert_gguf(path: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write an HF-style directory (config.json, model.safetensors, tokenizer files) from a GGUF file."""
+    """Write an HF-style directory (config.json, model.safetensors, tokenizer files) from a GGUF file.
+
+    `out_dir` appears complete or not at all (lmcli.io.atomic).
+    """
+    from lmcli.io.atomic import atomic_directory
     from lmcli.io.tokenizer import tokenizer_from_gguf
 
     checkpoint = read_gguf(path, dtype)
     tokenizer = tokenizer_from_gguf(checkpoint.metadata)
     out_dir = Path(out_dir)
-    write_hf_weights(checkpoint, out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with atomic_directory(out_dir) as work:  # a killed convert leaves no half-written out_dir
+        write_hf_weights(checkpoint, work)
+        tokenizer.save_pretrained(work)
     return out_dir

@@ -132,6 +132,71 @@ def _type_name(ggml_type: int) -> str:
         return f"type id {ggml_type}"
 
 
+# The metadata lmcli reads, by kind: checked once here, so readers further on can trust the types.
+# Keys under the architecture (`llama.block_count`) are listed by what follows the architecture name.
+_COUNT = "count"  # an integer >= 0, or one per layer
+_NUMBER = "number"
+_TEXT = "text"
+_FLAG = "flag"
+_TEXT_LIST = "text list"
+_NUMBER_LIST = "number list"
+_COUNT_LIST = "count list"
+GLOBAL_METADATA_KINDS = {
+    "general.architecture": _TEXT, "general.name": _TEXT, "general.basename": _TEXT, "general.alignment": _COUNT,
+    "tokenizer.ggml.model": _TEXT, "tokenizer.ggml.pre": _TEXT, "tokenizer.chat_template": _TEXT,
+    "tokenizer.ggml.tokens": _TEXT_LIST, "tokenizer.ggml.merges": _TEXT_LIST,
+    "tokenizer.ggml.scores": _NUMBER_LIST, "tokenizer.ggml.token_type": _COUNT_LIST,
+    "tokenizer.ggml.add_bos_token": _FLAG, "tokenizer.ggml.add_eos_token": _FLAG,
+    **{f"tokenizer.ggml.{name}_token_id": _COUNT
+       for name in ("bos", "eos", "padding", "unknown", "eot", "eom", "separator", "mask")},
+}
+ARCHITECTURE_METADATA_KINDS = {
+    **dict.fromkeys(("context_length", "embedding_length", "feed_forward_length", "block_count",
+                     "attention.head_count", "attention.head_count_kv", "attention.key_length",
+                     "attention.value_length", "rope.dimension_count", "expert_count", "expert_used_count",
+                     "attention.sliding_window", "attention.sliding_window_pattern", "vocab_size",
+                     "rope.scaling.original_context_length"), _COUNT),
+    **dict.fromkeys(("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base",
+                     "rope.freq_base_swa", "rope.scaling.factor", "attn_logit_softcapping",
+                     "final_logit_softcapping", "attention.scale"), _NUMBER),
+    "rope.scaling.type": _TEXT,
+}
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_KIND_CHECKS = {
+    _COUNT: lambda v: _is_count(v) or (isinstance(v, list) and bool(v) and all(map(_is_count, v))),
+    _NUMBER: _is_number,
+    _TEXT: lambda v: isinstance(v, str),
+    _FLAG: lambda v: isinstance(v, bool),
+    _TEXT_LIST: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    _NUMBER_LIST: lambda v: isinstance(v, list) and all(map(_is_number, v)),
+    _COUNT_LIST: lambda v: isinstance(v, list) and all(map(_is_count, v)),
+}
+_KIND_NAMES = {_COUNT: "a non-negative integer (or one per layer)", _NUMBER: "a number", _TEXT: "a string",
+               _FLAG: "a boolean", _TEXT_LIST: "an array of strings", _NUMBER_LIST: "an array of numbers",
+               _COUNT_LIST: "an array of non-negative integers"}
+
+
+def check_metadata_types(metadata: dict[str, Any], path: Path) -> None:
+    """A GGUFError naming the key when a value lmcli reads has the wrong type."""
+    architecture = metadata.get("general.architecture")
+    for key, value in metadata.items():
+        kind = GLOBAL_METADATA_KINDS.get(key)
+        if kind is None and isinstance(architecture, str) and key.startswith(architecture + "."):
+            kind = ARCHITECTURE_METADATA_KINDS.get(key[len(architecture) + 1:])
+        if kind is not None and not _KIND_CHECKS[kind](value):
+            shown = type(value).__name__ if not isinstance(value, list) else f"an array of {len(value)}"
+            raise GGUFError(f"{path}: metadata '{key}' must be {_KIND_NAMES[kind]}, got {shown}")
+
+
 def _parse_header(buf: mmap.mmap, path: Path) -> GGUFHeader:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -161,6 +226,7 @@ def _parse_header(buf: mmap.mmap, path: Path) -> GGUFHeader:
             raise cur.fail(f"metadata key '{key}' appears twice")
         metadata[key] = cur.value(value_type, f"metadata '{key}'")
 
+    check_metadata_types(metadata, path)
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise cur.fail(f"general.alignment must be a power of two, got {alignment!r}")

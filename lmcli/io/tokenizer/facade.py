@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as Backend
 
 from lmcli.config import eos_id_list
 from lmcli.errors import TokenizerError
-from lmcli.io.tokenizer.chat_template import compile_template
+from lmcli.io.tokenizer.chat_template import compile_template, render_bounded
 
 
 class Tokenizer:
@@ -79,8 +79,9 @@ class Tokenizer:
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token,
                     "unk_token": self.unk_token, "pad_token": self.pad_token}
         try:
-            return compile_template(self.chat_template).render(
-                messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+            return render_bounded(
+                compile_template(self.chat_template), messages=messages, tools=None, documents=None,
+                add_generation_prompt=add_generation_prompt,
                 **{key: value for key, value in specials.items() if value is not None},
             )
         except Exception as exc:  # jinja2's TemplateError, and anything the template's own code raises

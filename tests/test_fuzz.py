@@ -1,0 +1,267 @@
+"""Property-based fuzzing of every reader of untrusted input: any mutated input gives lmcli's own error
+(an LmcliError with a one-line message) or a valid result; never another exception, a hang or unbounded
+memory.
+
+Small example counts keep this in the normal suite; LMCLI_FUZZ=large runs a larger profile
+(`LMCLI_FUZZ=large python -m pytest tests/test_fuzz.py`). Each example runs under a wall-clock guard
+(a hang fails it; a slow machine only makes it slower, there is no deadline on speed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lmcli import registry
+from lmcli.errors import LmcliError
+
+LARGE = os.environ.get("LMCLI_FUZZ", "").lower() == "large"
+settings.register_profile(
+    "lmcli-fuzz", max_examples=2000 if LARGE else 25, deadline=None, derandomize=not LARGE, database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+fuzz = settings.get_profile("lmcli-fuzz")
+HANG_SECONDS = 20  # far above any real example: only a hang or a runaway reaches it
+
+
+@contextlib.contextmanager
+def bounded_time(seconds: int = HANG_SECONDS):
+    def hang(signum, frame):
+        raise AssertionError(f"an example ran for more than {seconds} s (a hang?)")
+
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def only_lmcli_errors(call):
+    """Run `call`; an LmcliError must carry a one-line message. Anything else propagates (a bug)."""
+    with bounded_time():
+        try:
+            return call()
+        except LmcliError as error:
+            message = str(error)
+            assert message and "\n" not in message, repr(message)
+            return error
+
+
+# JSON values of every kind, small.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
+
+
+def mutate(data: bytes, edits) -> bytes:
+    """Apply (position, replacement) edits and an optional truncation to `data`."""
+    raw = bytearray(data)
+    for where, replacement in edits[0]:
+        at = where % max(len(raw), 1)
+        raw[at : at + len(replacement)] = replacement
+    if edits[1] is not None:
+        raw = raw[: edits[1] % (len(raw) + 1)]
+    return bytes(raw)
+
+
+byte_edits = st.tuples(
+    st.lists(st.tuples(st.integers(0, 2**16), st.binary(min_size=1, max_size=8)), max_size=4),
+    st.none() | st.integers(0, 2**16),
+)
+
+
+# --- safetensors files ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def safetensors_bytes(tmp_path_factory) -> bytes:
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("st") / "model.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(4, dtype=torch.int64)}, path)
+    return path.read_bytes()
+
+
+def read_safetensors_bytes(directory: Path, data: bytes):
+    from lmcli.io.checkpoint import read_safetensors
+
+    path = directory / "model.safetensors"
+    path.write_bytes(data)
+    return only_lmcli_errors(lambda: read_safetensors([path], torch.float32))
+
+
+@fuzz
+@given(edits=byte_edits)
+def test_safetensors_byte_mutations(tmp_path, safetensors_bytes, edits):
+    read_safetensors_bytes(tmp_path, mutate(safetensors_bytes, edits))
+
+
+@fuzz
+@given(header=st.dictionaries(st.text(max_size=6), json_values, max_size=4),
+       size_delta=st.integers(-64, 2**40))
+def test_safetensors_headers(tmp_path, safetensors_bytes, header, size_delta):
+    """A JSON header of anything, with a length field that may lie (up to a terabyte too long)."""
+    body = json.dumps(header).encode()
+    length = max(0, len(body) + size_delta)
+    read_safetensors_bytes(tmp_path, struct.pack("<Q", length) + body + safetensors_bytes[-48:])
+
+
+@fuzz
+@given(dtype=st.sampled_from(["F32", "F16", "BF16", "I64", "U8", "BOOL", "F8_E4M3", "X"]),
+       shape=st.lists(st.integers(-2, 2**40), max_size=4), start=st.integers(-4, 2**40), end=st.integers(-4, 2**40))
+def test_safetensors_tensor_entries(tmp_path, dtype, shape, start, end):
+    """Tensor entries whose shape and offsets disagree with each other and with the file."""
+    header = json.dumps({"t": {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}}).encode()
+    read_safetensors_bytes(tmp_path, struct.pack("<Q", len(header)) + header + bytes(64))
+
+
+# --- config.json and index files -------------------------------------------------------------------------
+
+PRESET_FIELDS = sorted({name for preset in registry.list_presets() for name in registry.preset_config(preset)})
+
+
+@fuzz
+@given(preset=st.sampled_from(registry.list_presets()),
+       changes=st.dictionaries(st.sampled_from(PRESET_FIELDS), json_values, max_size=3))
+def test_config_fields_of_any_value(preset, changes):
+    """A real config with some fields replaced by any JSON: a ModelConfig or a ConfigError."""
+    hf = {**registry.preset_config(preset), **changes}
+    only_lmcli_errors(lambda: registry.config_from_hf(hf, source="config.json"))
+
+
+@fuzz
+@given(document=json_values)
+def test_config_of_any_shape(document):
+    only_lmcli_errors(lambda: registry.config_from_hf(document, source="config.json"))
+
+
+@fuzz
+@given(document=json_values | st.fixed_dictionaries({"weight_map": json_values}),
+       raw=st.none() | st.binary(max_size=40))
+def test_index_files(tmp_path, document, raw):
+    from lmcli.io.checkpoint import safetensors_files
+
+    directory = tmp_path / "ckpt"
+    directory.mkdir(exist_ok=True)
+    (directory / "shard.safetensors").write_bytes(b"")
+    (directory / "model.safetensors.index.json").write_bytes(json.dumps(document).encode() if raw is None else raw)
+    result = only_lmcli_errors(lambda: safetensors_files(directory))
+    if isinstance(result, list):
+        assert all(path.resolve().parent == directory.resolve() for path in result)
+
+
+# --- JSONL job rows ------------------------------------------------------------------------------------
+
+
+@fuzz
+@given(lines=st.lists(
+    st.binary(max_size=30)
+    | json_values.map(lambda v: json.dumps(v).encode())
+    | st.dictionaries(st.sampled_from(["prompt", "id", "seed", "max_new_tokens", "temperature", "top_k", "top_p",
+                                        "stop", "system", "other"]), json_values, max_size=4)
+    .map(lambda v: json.dumps(v).encode()),
+    max_size=5))
+def test_job_rows(tmp_path, lines):
+    """Every line becomes a row or that row's error; a whole-file problem (duplicate ids) is a UsageError."""
+    from lmcli.jobs import GenerationSettings, read_rows
+
+    path = tmp_path / "input.jsonl"
+    path.write_bytes(b"\n".join(lines))
+    rows = only_lmcli_errors(lambda: read_rows(path, GenerationSettings()))
+    if isinstance(rows, list):
+        for row in rows:
+            assert (row.error is None) == (row.settings is not None and isinstance(row.prompt, str))
+            assert row.error is None or "\n" not in row.error
+
+
+# --- GGUF files --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(tmp_path_factory) -> bytes:
+    """A small llama GGUF: the metadata lmcli reads, a vocabulary, and two tensors (F32 and Q8_0)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path_factory.mktemp("gguf") / "small.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("context_length", 64), ("embedding_length", 32), ("feed_forward_length", 48),
+                       ("block_count", 1), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a", "b"])
+    writer.add_token_scores([0.0, 0.0, 0.0, -1.0, -2.0])
+    writer.add_token_types([2, 3, 3, 1, 1])
+    writer.add_tensor("token_embd.weight", np.arange(5 * 32, dtype=np.float32).reshape(5, 32))
+    writer.add_tensor("output_norm.weight", gguf.quants.quantize(np.ones((1, 32), dtype=np.float32),
+                                                                 gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@fuzz
+@given(edits=byte_edits)
+def test_gguf_byte_mutations(tmp_path, gguf_bytes, edits):
+    from lmcli.io.gguf import read_gguf
+    from lmcli.io.tokenizer import tokenizer_from_gguf
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(mutate(gguf_bytes, edits))
+    checkpoint = only_lmcli_errors(lambda: read_gguf(path))
+    if not isinstance(checkpoint, LmcliError):
+        only_lmcli_errors(lambda: tokenizer_from_gguf(checkpoint.metadata))
+        only_lmcli_errors(lambda: registry.config_from_hf(checkpoint.hf_config, source=str(path)))
+
+
+@fuzz
+@given(count=st.integers(0, 2**64 - 1), at=st.sampled_from([8, 16]))
+def test_gguf_counts_that_lie(tmp_path, gguf_bytes, count, at):
+    """Tensor and metadata counts (bytes 8 and 16) of any size: refused before anything is allocated."""
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(gguf_bytes[:at] + struct.pack("<Q", count) + gguf_bytes[at + 8:])
+    only_lmcli_errors(lambda: read_gguf_header(path))
+
+
+# --- chat templates ---------------------------------------------------------------------------------
+
+TEMPLATE_PIECES = [
+    "{{ messages[0]['content'] }}", "{% for m in messages %}", "{% endfor %}", "{% if add_generation_prompt %}",
+    "{% endif %}", "{{ 'ab' * 400000 }}", "{{ 'x' * N }}", "{% set ns = namespace(s='ab') %}",
+    "{% set ns.s = ns.s ~ ns.s %}", "{% set ns.s = ns.s + ns.s %}", "{{ ns.s }}", "{% for i in range(100000) %}",
+    "{{ '%099999s' % 'a' }}", "{{ 'a'|center(N) }}", "{{ 'a'.ljust(N) }}", "{{ 'a'|indent(N) }}",
+    "{{ 3 ** N }}", "{{ messages * N }}", "{{ raise_exception('no') }}", "{{ x.__class__ }}", "{{ m.content|tojson }}",
+    "{{ (messages|list) + (messages|list) }}", "{{ '{:{}}'.format(1, N) }}", "text", "{{", "{%",
+]
+
+
+@fuzz
+@given(pieces=st.lists(st.sampled_from(TEMPLATE_PIECES), max_size=8), n=st.integers(-5, 10**12))
+def test_chat_templates_of_any_shape(pieces, n):
+    from lmcli.io.tokenizer import chat_template
+    from lmcli.io.tokenizer.facade import Tokenizer
+
+    tokenizer = Tokenizer.__new__(Tokenizer)  # only the template half of a tokenizer is exercised
+    tokenizer.name, tokenizer.chat_template = "tokenizer_config.json", "".join(pieces).replace("N", str(n))
+    tokenizer.bos_token = tokenizer.eos_token = tokenizer.unk_token = tokenizer.pad_token = None
+    rendered = only_lmcli_errors(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert isinstance(rendered, LmcliError) or len(rendered) <= chat_template.MAX_OUTPUT

@@ -1,0 +1,472 @@
+"""Hostile or broken input: each gives one line naming the file/field/flag, never an internal error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_fixtures import subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
+from tiny import save_reference
+from typer.testing import CliRunner
+
+import lmcli
+import lmcli.io.gguf as lmgguf
+from lmcli.cli import app
+from lmcli.errors import CheckpointError, ConfigError, TokenizerError
+
+
+@pytest.fixture(scope="module")
+def llama_template(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    save_reference("llama", directory)
+    return directory
+
+
+@pytest.fixture
+def llama_dir(llama_template, tmp_path):
+    for path in llama_template.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def edit_config(directory, change):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps(change(config)))
+    return path
+
+
+# --- config.json -------------------------------------------------------------------------------
+
+
+def test_config_that_is_a_list_is_named(llama_dir):
+    path = edit_config(llama_dir, lambda c: [c])
+    with pytest.raises(ConfigError) as error:
+        lmcli.load(llama_dir)
+    assert str(error.value) == f"{path}: expected a JSON object, got a list"
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("abc", "must be an integer"),
+        (-576, "must be between 1 and"),
+        (576.5, "must be an integer"),
+        (True, "must be an integer"),
+        (None, None),  # null: the field counts as missing
+    ],
+)
+def test_hidden_size_of_the_wrong_type_or_range(llama_dir, value, why):
+    path = edit_config(llama_dir, lambda c: {**c, "hidden_size": value})
+    with pytest.raises(ConfigError) as error:
+        lmcli.load(llama_dir)
+    message = str(error.value)
+    if why is None:
+        assert message == f"{path}: missing field 'hidden_size'"
+    else:
+        assert message.startswith(f"{path}: field 'hidden_size' {why}") and json.dumps(value) in message
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rms_norm_eps", float("nan")),  # json.dumps writes NaN, which Python's json reads back
+        ("rms_norm_eps", 0),
+        ("num_key_value_heads", 0),
+        ("tie_word_embeddings", "yes"),
+        ("eos_token_id", [2, "x"]),
+        ("layer_types", ["full_attention", "local"]),
+        ("rope_scaling", {"rope_type": "linear", "factor": "2"}),
+        ("rope_scaling", [1]),
+        ("model_type", 7),
+    ],
+)
+def test_other_fields_are_checked_by_type_and_range(llama_dir, field, value):
+    path = edit_config(llama_dir, lambda c: {**c, field: value})
+    with pytest.raises(ConfigError, match=rf"^{path}: field '{field}(\.\w+)?' (must|should)"):
+        lmcli.load(llama_dir)
+
+
+def test_heads_larger_than_hidden_size_is_a_config_error(llama_dir):
+    edit_config(llama_dir, lambda c: {**c, "head_dim": None, "num_attention_heads": 64, "num_key_value_heads": 64})
+    with pytest.raises(ConfigError, match=r"config\.json: head_dim is 0"):
+        lmcli.load(llama_dir)
+
+
+def test_valid_configs_still_load(llama_dir):
+    edit_config(llama_dir, lambda c: {**c, "head_dim": None, "sliding_window": None, "unknown_field": [1, {}]})
+    model, _ = lmcli.load(llama_dir)
+    assert model.config.head_dim == 8
+
+
+# --- safetensors index files --------------------------------------------------------------------
+
+
+def make_sharded(directory, weight_map):
+    (directory / "model.safetensors").rename(directory / "shard-1.safetensors")
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("shard", ["../../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors"])
+def test_index_cannot_name_files_outside_the_checkpoint(llama_dir, shard):
+    index = make_sharded(llama_dir, {"model.norm.weight": shard})
+    with pytest.raises(CheckpointError) as error:
+        lmcli.load(llama_dir)
+    assert str(error.value) == (
+        f'{index}: shard "{shard}" of tensor "model.norm.weight" is outside the checkpoint directory'
+    )
+
+
+def test_index_cannot_follow_a_symlink_out_of_the_checkpoint(llama_dir, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside") / "secret.safetensors"
+    (llama_dir / "model.safetensors").rename(outside)
+    (llama_dir / "shard-1.safetensors").symlink_to(outside)
+    index = llama_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "shard-1.safetensors"}}))
+    with pytest.raises(CheckpointError, match="is outside the checkpoint directory"):
+        lmcli.load(llama_dir)
+
+
+@pytest.mark.parametrize("weight_map", [[], "shard-1.safetensors", None, {"model.norm.weight": 3}])
+def test_index_weight_map_must_be_an_object_of_strings(llama_dir, weight_map):
+    index = make_sharded(llama_dir, weight_map)
+    with pytest.raises(CheckpointError, match=rf"^{index}: .*(weight_map).* must be"):
+        lmcli.load(llama_dir)
+
+
+def test_a_valid_index_loads(llama_dir):
+    from safetensors.torch import load_file
+
+    names = load_file(llama_dir / "model.safetensors")
+    make_sharded(llama_dir, dict.fromkeys(names, "shard-1.safetensors"))
+    model, _ = lmcli.load(llama_dir)
+    assert model.num_parameters() > 0
+
+
+# --- lmcli convert: all or nothing --------------------------------------------------------------
+
+# A subprocess converts a stand-in GGUF checkpoint (the reader is replaced: what is tested is how the
+# output directory is written) and, when told to, parks after writing model.safetensors so it can be killed.
+CONVERT_SCRIPT = r"""
+import sys, time
+from pathlib import Path
+import torch
+import safetensors.torch
+import lmcli.io.gguf as lmgguf
+import lmcli.io.tokenizer as lmtokenizer
+
+class StandInTokenizer:
+    def save_pretrained(self, out_dir):
+        (Path(out_dir) / "tokenizer.json").write_text("{}")
+
+def read_stand_in(path, dtype=torch.float32):
+    return lmgguf.GGUFCheckpoint(path=Path(path), metadata={}, hf_config={"model_type": "llama"},
+                                 tensors={"w": torch.arange(4096, dtype=torch.float32)})
+
+lmgguf.read_gguf = read_stand_in
+lmtokenizer.tokenizer_from_gguf = lambda metadata: StandInTokenizer()
+real_save = safetensors.torch.save_file
+def save_then_park(tensors, filename, metadata=None):
+    real_save(tensors, filename, metadata=metadata)
+    if len(sys.argv) > 3:
+        Path(sys.argv[3]).write_text("written")
+        time.sleep(600)
+safetensors.torch.save_file = save_then_park
+lmgguf.convert_gguf(sys.argv[1], sys.argv[2])
+"""
+
+
+def run_convert(tmp_path, out, park: Path | None = None):
+    source = tmp_path / "model.gguf"
+    source.write_bytes(b"stand-in")
+    args = [sys.executable, "-c", CONVERT_SCRIPT, str(source), str(out)] + ([str(park)] if park else [])
+    return subprocess.Popen(args, env=subprocess_env(), stderr=subprocess.PIPE)
+
+
+def test_convert_killed_midway_leaves_no_output_and_a_rerun_works(tmp_path):
+    out = tmp_path / "converted"
+    park = tmp_path / "parked"
+    process = run_convert(tmp_path, out, park)
+    deadline = time.monotonic() + 120
+    while not park.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert park.exists(), process.stderr.read().decode() if process.poll() is not None else "never parked"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not out.exists()
+    [partial] = [p for p in tmp_path.iterdir() if p.name.startswith(".converted.partial-")]
+    assert (partial / "model.safetensors").is_file()  # killed after the big write, before the rename
+
+    rerun = run_convert(tmp_path, out)
+    assert rerun.wait(timeout=120) == 0, rerun.stderr.read().decode()
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]  # the killed run's leftovers are gone
+    # The same permissions a plain mkdir / open would give under this umask.
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "f").write_text("")
+    assert stat.S_IMODE(out.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert stat.S_IMODE((out / "config.json").stat().st_mode) == stat.S_IMODE((plain / "f").stat().st_mode)
+
+
+def test_convert_that_fails_cleans_up(tmp_path, monkeypatch):
+    checkpoint = lmgguf.GGUFCheckpoint(path=tmp_path / "x.gguf", metadata={}, hf_config={"model_type": "llama"},
+                                       tensors={"w": torch.zeros(3)})
+    monkeypatch.setattr(lmgguf, "read_gguf", lambda path, dtype=None: checkpoint)
+    monkeypatch.setattr("lmcli.io.tokenizer.tokenizer_from_gguf", lambda metadata: _failing_save())
+    out = tmp_path / "out"
+    with pytest.raises(TokenizerError):
+        lmgguf.convert_gguf(tmp_path / "x.gguf", out)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _failing_save():
+    class Tokenizer:
+        def save_pretrained(self, out_dir):
+            raise TokenizerError("cannot save the tokenizer")
+
+    return Tokenizer()
+
+
+# --- the command line: input bytes and output streams -------------------------------------------
+
+
+def cli_generate(checkpoint, *args, input=None):
+    return CliRunner().invoke(app, ["generate", "-c", str(checkpoint), "--format", "jsonl", "--greedy", "-n", "3",
+                                    *map(str, args)], input=input)
+
+
+@pytest.mark.parametrize("where", ["stdin", "argv"])
+def test_invalid_utf8_prompt_is_replaced_with_a_warning(tiny_checkpoint, where):
+    raw = "Привет".encode() + b"\xff\xfe x"
+    if where == "stdin":
+        result = cli_generate(tiny_checkpoint, "-", input=raw)
+    else:
+        result = cli_generate(tiny_checkpoint, os.fsdecode(raw))  # how Python hands undecodable argv bytes over
+    assert result.exit_code == 0, result.stderr
+    what = "the prompt on stdin" if where == "stdin" else "the PROMPT argument"
+    assert result.stderr.splitlines()[0] == (
+        f"warning: {what} is not valid UTF-8 (first bad byte at offset 12); invalid bytes were replaced with U+FFFD"
+    )
+    assert json.loads(result.stdout)["prompt"] == "Привет\ufffd\ufffd x"
+
+
+def run_piped(checkpoint, *args, stdout):
+    return subprocess.run([sys.executable, "-m", "lmcli", "generate", "-c", str(checkpoint), *map(str, args)],
+                          stdout=stdout, stderr=subprocess.PIPE, timeout=300, env=subprocess_env())
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_stdout_that_cannot_be_written_is_one_line_and_exit_1(tiny_checkpoint):
+    with open("/dev/full", "w") as full:
+        result = run_piped(tiny_checkpoint, "--greedy", "-n", 3, "hello", stdout=full)
+    assert result.returncode == 1
+    assert result.stderr.decode() == "error: cannot write the output: No space left on device\n"
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_closed_pipe_ends_quietly_with_exit_0(tiny_checkpoint, tmp_path, batch):
+    """`lmcli generate ... | head -c 1`: the documented behaviour is exit 0 and nothing on stderr."""
+    args = ["--greedy", "--ignore-eos", "-n", 64]
+    if batch:
+        source = tmp_path / "in.txt"
+        source.write_text("one\ntwo\nthree\nfour\n")
+        args += ["--input", source, "--batch-size", 1]
+    else:
+        args += ["hello"]
+    job = subprocess.Popen([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), *map(str, args)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+    assert job.stdout.read(1)  # the first output arrived; now the reader goes away
+    job.stdout.close()
+    stderr = job.stderr.read().decode()
+    assert job.wait(timeout=300) == 0 and stderr == ""
+
+
+# --- chat templates: code from a stranger, bounded ----------------------------------------------
+
+HOSTILE_TEMPLATES = {
+    "{{ 'a' * 10000000000 }}": "a repeated string or list would hold 10,000,000,000 items",
+    "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}":
+        "a joined string would hold 1,048,576 items",
+    "{{ 'a'|center(10000000000) }}": "center's result would hold 10,000,000,000 items",
+    "{{ '{:>10000000000}'.format(1) }}": "a format width or precision over 1,000,000",
+    "{{ '%10000000000s' % 'a' }}": "a format width or precision over 1,000,000",
+    "{{ 7 ** 100000000 }}": "a power over 4096 bits",
+    "{% for i in range(100000) %}{{ 'x' * 999999 }}{% endfor %}":
+        "the rendered prompt is longer than 1,000,000 characters",
+}
+
+
+@pytest.fixture
+def template_dir(tiny_checkpoint, tmp_path):
+    for path in tiny_checkpoint.iterdir():
+        (tmp_path / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def with_template(directory, template):
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+
+
+@pytest.mark.parametrize("template", list(HOSTILE_TEMPLATES))
+def test_hostile_chat_templates_fail_in_one_line_before_using_memory(template_dir, template):
+    import tracemalloc
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, template)
+    tokenizer = load_tokenizer(template_dir)
+    tracemalloc.start()
+    try:
+        with pytest.raises(TokenizerError) as error:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(error.value) == f"{template_dir}: chat template failed: {HOSTILE_TEMPLATES[template]}" + (
+        " (the limit is 1,000,000)" if "would hold" in HOSTILE_TEMPLATES[template] else "")
+    assert peak < 64 * 2**20  # refused before the string was built
+
+
+def test_a_template_that_runs_forever_is_stopped(template_dir, monkeypatch):
+    from lmcli.io.tokenizer import chat_template, load_tokenizer
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.5)
+    with_template(template_dir, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    with pytest.raises(TokenizerError, match=r"chat template failed: rendering took longer than 0.5 s$"):
+        load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_the_cli_names_the_checkpoint_and_exits_1(template_dir):
+    with_template(template_dir, "{{ 'a' * 10000000000 }}")
+    result = cli_generate(template_dir, "--chat", "hi")
+    assert result.exit_code == 1
+    assert result.stderr == (f"error: {template_dir}: chat template failed: a repeated string or list would hold "
+                             "10,000,000,000 items (the limit is 1,000,000)\n")
+
+
+def test_ordinary_template_operations_still_work(template_dir):
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, "{{ 'ab' * 3 }}|{{ [1] + [2] }}|{{ 'x' ~ 'y' }}|{{ '%s-%d' % ('a', 2) }}|"
+                                "{{ '{}!'.format('hi') }}|{{ 2 ** 10 }}|{{ 'a'|center(5) }}|{{ ['p', 'q']|join(',') }}|"
+                                "{{ messages[0]['content'] | replace('h', 'H') }}")
+    rendered = load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "ababab|[1, 2]|xy|a-2|hi!|1024|  a  |p,q|Hi"
+
+
+# --- flag values: usage errors before any model loads ---------------------------------------------
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    (["--temperature", "inf"], "--temperature must be a finite number, got inf"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "nan"], "--top-p must be a finite number, got nan"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number, got inf"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["-n", "0"], "--max-new-tokens must be at least 1"),
+    (["--seed", "-1"], "--seed must be between 0 and 2**63-1"),
+    (["--stop", ""], "--stop must not be an empty string"),
+    (["--temperature", "abc"], "Invalid value for '--temperature'"),
+])
+def test_invalid_flag_values_are_usage_errors_before_loading(tmp_path, flags, message):
+    # An empty directory: loading it would fail with exit 1, so exit 2 shows the flags were checked first.
+    result = CliRunner().invoke(app, ["generate", "-c", str(tmp_path), *flags, "hi"])
+    assert result.exit_code == 2, result.stderr
+    assert result.stderr.startswith(f"error: {message}") and result.stderr.count("\n") == 1
+
+
+def test_a_job_row_with_nan_temperature_is_that_rows_error(tmp_path):
+    from lmcli.jobs import read_rows
+    from lmcli.settings import GenerationSettings
+
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "a", "temperature": NaN}\n{"prompt": "b", "top_p": Infinity}\n')
+    bad = [row.error for row in read_rows(source, GenerationSettings())]
+    assert bad == ['line 1: "temperature" must be a finite number, got nan',
+                   'line 2: "top_p" must be a finite number, got inf']
+
+
+# --- GGUF metadata of the wrong type --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, write, expected", [
+    ("llama.block_count", lambda w, k: w.add_string(k, "two"), "must be a non-negative integer (or one per layer), got str"),
+    ("llama.embedding_length", lambda w, k: w.add_float32(k, 32.5), "must be a non-negative integer (or one per layer), got float"),
+    ("llama.attention.layer_norm_rms_epsilon", lambda w, k: w.add_string(k, "1e-5"), "must be a number, got str"),
+    ("tokenizer.ggml.bos_token_id", lambda w, k: w.add_bool(k, True), "must be a non-negative integer (or one per layer), got bool"),
+    ("tokenizer.ggml.tokens", lambda w, k: w.add_array(k, [1, 2]), "must be an array of strings, got an array of 2"),
+    ("general.name", lambda w, k: w.add_uint32(k, 7), "must be a string, got int"),
+])
+def test_gguf_metadata_of_the_wrong_type_names_the_key(tmp_path, key, write, expected):
+    import gguf
+
+    from lmcli.errors import GGUFError
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    path = tmp_path / "bad.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write(writer, key)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError) as error:
+        read_gguf_header(path)
+    assert str(error.value) == f"{path}: metadata '{key}' {expected}"
+
+
+# --- a prompt longer than the context --------------------------------------------------------------
+
+
+def test_a_prompt_longer_than_the_context_is_cut_once_with_a_warning(tiny_checkpoint):
+    """The tiny model's context is 512 tokens; the CLI's output equals model.generate on the prompt's last
+    512 - 16 tokens (room for -n 16), computed directly."""
+    import torch
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 80
+    ids = load_tokenizer(tiny_checkpoint).encode(prompt)
+    assert len(ids) > 512
+    result = cli_generate(tiny_checkpoint, "--ignore-eos", "-n", 16, "--logprobs", 0, prompt)
+    assert result.exit_code == 0, result.stderr
+    dropped = len(ids) - (512 - 16)
+    assert result.stderr == (f"warning: the prompt has {len(ids)} tokens but the context holds 512; its first "
+                             f"{dropped} tokens were dropped (use --no-truncate to refuse instead)\n")
+    row = json.loads(result.stdout)
+    assert row["prompt_tokens"] == 512 - 16
+    model, _ = lmcli.load(tiny_checkpoint)
+    kept = torch.tensor([ids[dropped:]])
+    expected = model.generate(kept, 16, do_sample=False)[0, kept.shape[1]:].tolist()
+    assert [step["id"] for step in row["logprobs"]] == expected
+
+
+def test_no_truncate_refuses_a_prompt_longer_than_the_context(tiny_checkpoint, tmp_path):
+    prompt = "The quick brown fox jumps over the lazy dog. " * 80
+    result = cli_generate(tiny_checkpoint, "--no-truncate", prompt)
+    assert result.exit_code == 2
+    assert re.fullmatch(r"error: the prompt has \d+ tokens but the model's context holds 512 \(drop --no-truncate "
+                        r"to keep its end\)\n", result.stderr)
+    source = tmp_path / "in.txt"
+    source.write_text(f"short\n{prompt}\n")
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--input", str(source), "--greedy",
+                                      "-n", "2", "--no-truncate"])
+    assert result.exit_code == 1  # the job goes on; the long row is that row's error
+    rows = {row["id"]: row for row in map(json.loads, result.stdout.splitlines())}
+    assert "error" not in rows[1] and "the model's context holds 512" in rows[2]["error"]
