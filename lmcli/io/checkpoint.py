@@ -55,13 +55,17 @@ def index_shard_names(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: 'weight_map' must be an object mapping tensor names to shard files")
     directory = index.parent.resolve()
+    # A HuggingFace hub snapshot (models--ORG--NAME/snapshots/REV) holds symlinks into ../../blobs.
+    blobs = directory.parent.parent / "blobs" if directory.parent.name == "snapshots" else None
     for tensor, shard in weight_map.items():
         # Names are quoted as JSON strings: a hostile one may hold newlines or control characters.
         if not isinstance(shard, str) or not shard:
             raise CheckpointError(f"{index}: weight_map[{json.dumps(tensor)}] must be a shard file name, "
                                   f"got {json.dumps(shard)}")
         try:
-            inside = not Path(shard).is_absolute() and (directory / shard).resolve().parent == directory
+            plain_name = Path(shard).name == shard and shard not in (".", "..")
+            target = (directory / shard).resolve()
+            inside = plain_name and (target.parent == directory or (blobs is not None and target.parent == blobs))
         except (OSError, ValueError):  # a NUL byte, a symlink loop
             inside = False
         if not inside:
