@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lmcli.generation.sampling import row_generators, sample, sampling_transforms
+from lmcli.generation.sampling import make_processor_chain, make_sampler
 from lmcli.models.base import positions_from_mask
 
 
@@ -71,8 +71,8 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
              *, seed=None, logits_processors=None, on_token: Callable[[TokenEvent], Any] | None = None,
              ignore_output: bool = False) -> torch.Tensor | None:
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
-    transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
-    processors = list(logits_processors or [])
+    # Built (and validated) once, before any work: the loop only calls them.
+    chain = make_processor_chain(do_sample, temperature, top_k, top_p, logits_processors)
     eos = _eos_ids(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -81,7 +81,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     batch, prompt_len = x.shape
     total = prompt_len + max_new_tokens
     max_positions = model.config.max_position_embeddings
-    capacity = history_capacity(prompt_len, max_new_tokens, max_positions, ignore_output and not processors)
+    capacity = history_capacity(prompt_len, max_new_tokens, max_positions, ignore_output and not chain.needs_history)
     ids = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=device)  # (B, L)
     ids[:, :prompt_len] = x.to(device)
     slot_is_token = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # (B, L)
@@ -90,7 +90,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     # a row's set of seen tokens (e.g. for a repetition penalty) is the same alone or in a batch.
     first_token = ids.gather(1, (~slot_is_token[:, :prompt_len]).sum(-1, keepdim=True))  # (B, 1)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
-    generators = row_generators(seed, batch, device) if do_sample else None
+    choose = make_sampler(do_sample, seed, batch, device)
 
     cache = model.init_cache(batch, min(total, max_positions)) if use_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -116,20 +116,10 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
             )
         logits = logits[:, -1].float()  # (B, V)
 
-        scores = logits
         context = None
-        if processors:
+        if chain.needs_history:
             context = torch.where(slot_is_token[:, :length], ids[:, :length], first_token)  # (B, length)
-        if do_sample:
-            for transform in transforms:
-                scores = transform(context, scores)
-            for processor in processors:
-                scores = processor(context, scores)
-            next_token = sample(scores, generators)
-        else:
-            for processor in processors:
-                scores = processor(context, scores)
-            next_token = scores.argmax(dim=-1)  # (B,)
+        next_token = choose(chain(context, logits))  # (B,)
 
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         if length == capacity:
