@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -134,12 +133,12 @@ def check_logit_bias(bias: Any, vocab_size: int | None = None) -> dict[int, floa
     """{token id: bias}; each bias in [-100, 100] is added to that token's logit."""
     if not isinstance(bias, Mapping):
         raise SamplingError("logit_bias", "must map token ids to biases", bias)
+    limit = MAX_ABS_LOGIT_BIAS
     checked = {}
     for token, value in bias.items():
         if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
             where = f" (the vocabulary has {vocab_size} tokens)" if vocab_size is not None else ""
             raise SamplingError("logit_bias", f"must name token ids >= 0{where}", token)
-        limit = MAX_ABS_LOGIT_BIAS
         checked[int(token)] = _require_number(
             "logit_bias", value, lambda v: -limit <= v <= limit, f"biases must be between -{limit:g} and {limit:g}"
         )
@@ -224,13 +223,12 @@ class TypicalP:
         log_probs = logits.log_softmax(dim=-1)  # (B, V)
         entropy = -(log_probs.exp() * log_probs).nansum(dim=-1, keepdim=True)  # (B, 1); -inf * 0 is nan
         distance = (-log_probs - entropy).abs()
-        _, order = torch.sort(distance, dim=-1)  # most typical first
+        sorted_distance, order = torch.sort(distance, dim=-1)  # most typical first
         cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)  # (B, V)
-        # Keep a token while the mass before it is still short of typical_p (so the one crossing it stays).
-        mass_before = F.pad(cumulative[..., :-1], (1, 0))
-        drop_sorted = mass_before >= self.typical_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        return logits.masked_fill(drop, float("-inf"))
+        # The cut is the first token at which the mass reaches typical_p; tokens exactly as typical as
+        # it stay too, so tied tokens are kept or dropped together.
+        cut = (cumulative < self.typical_p).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)  # (B, 1)
+        return logits.masked_fill(distance > sorted_distance.gather(-1, cut), float("-inf"))
 
 
 # ----------------------------------------------------------------------------- processors (greedy too)
@@ -295,7 +293,7 @@ class NoRepeatNGram:
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         n = self.ngram_size
-        batch, length = input_ids.shape
+        length = input_ids.shape[1]
         if length < n:
             return logits  # not one whole n-gram yet (and none would end at the next token)
         windows = input_ids.unfold(1, n, 1)  # (B, length - n + 1, n)
@@ -361,7 +359,8 @@ class ProcessorChain:
     def __bool__(self) -> bool:
         return bool(self.processors)
 
-    def __call__(self, input_ids: torch.Tensor | None, logits: torch.Tensor) -> torch.Tensor:
+    def __call__(self, input_ids: Any, logits: torch.Tensor) -> torch.Tensor:
+        """input_ids: the text [B, S], or None when no processor needs it."""
         for processor in self.processors:
             logits = processor(input_ids, logits)
         return logits
