@@ -18,7 +18,7 @@ import typer
 from typer.core import TyperGroup
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
-from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 try:  # typer >= 0.2x ships its own copy of click
     from typer._click import exceptions as click_exceptions
@@ -199,13 +199,17 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     max_new_tokens: Annotated[
-        int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
-    ] = DEFAULT_MAX_NEW_TOKENS,
+        int | None,
+        typer.Option(
+            "--max-new-tokens", "--max-tokens", "-n", metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL,
+            help=f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+        ),
+    ] = None,
     temperature: Annotated[
         float | None,
         typer.Option(
             show_default=False, rich_help_panel=DECODING_PANEL,
-            help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
+            help=f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.",
         ),
     ] = None,
     top_k: Annotated[
@@ -215,9 +219,36 @@ def generate(
         float | None,
         typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
     ] = None,
+    min_p: Annotated[
+        float | None,
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
+    ] = None,
+    typical_p: Annotated[
+        float | None,
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
+    ] = None,
     repetition_penalty: Annotated[
         float | None,
         typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
+    ] = None,
+    presence_penalty: Annotated[
+        float | None,
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
+    ] = None,
+    frequency_penalty: Annotated[
+        float | None,
+        typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
+    ] = None,
+    no_repeat_ngram_size: Annotated[
+        int | None,
+        typer.Option(metavar="N", show_default=False, rich_help_panel=DECODING_PANEL, help="Never repeat an N-token sequence already in the text."),
+    ] = None,
+    logit_bias: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--logit-bias", metavar="TOKEN=BIAS", show_default=False, rich_help_panel=DECODING_PANEL,
+            help="Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
+        ),
     ] = None,
     greedy: Annotated[
         bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
@@ -229,6 +260,10 @@ def generate(
     stop: Annotated[
         list[str] | None,
         typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed."),
+    ] = None,
+    min_new_tokens: Annotated[
+        int | None,
+        typer.Option(metavar="INT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Do not stop at the end-of-text token before this many tokens."),
     ] = None,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
@@ -286,7 +321,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import GenerationSettings
+    from lmcli.settings import GenerationSettings, parse_logit_bias, read_model_defaults
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -297,7 +332,14 @@ def generate(
         greedy=greedy,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
+        typical_p=typical_p,
         repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens,
+        logit_bias=parse_logit_bias(logit_bias),
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
@@ -305,9 +347,14 @@ def generate(
         system=system,
         logprobs=logprobs,
     )
+    # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
+    settings = settings.with_model_defaults(read_model_defaults(checkpoint))
 
     def load():
-        return _load(checkpoint, model, device, dtype)
+        loaded, tokenizer = _load(checkpoint, model, device, dtype)
+        if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
+            settings.logit_bias_ids(tokenizer, loaded.config.vocab_size)
+        return loaded, tokenizer
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -405,6 +452,7 @@ def _summary(result) -> str:
     parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
     if result.row.seed is not None:
         parts.append(f"seed {result.row.seed}")
+    parts.append(", ".join(f"{name} {value}" for name, value in result.row.settings.used().items()))
     return " · ".join(parts)
 
 
@@ -500,6 +548,7 @@ def info(
         ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
     ]
+    facts += _decoding_facts(checkpoint)
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
@@ -542,6 +591,14 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
+
+
+def _decoding_facts(checkpoint: Path | None) -> list[tuple[str, str]]:
+    """What `generate` would use with no decoding flags, and where each value comes from."""
+    from lmcli.settings import GenerationSettings, read_model_defaults
+
+    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint))
+    return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 
 def _describe_tokenizer(tokenizer) -> str:

@@ -174,8 +174,7 @@ def test_invalid_arguments_are_one_line_sampling_errors(make, value):
 
 @pytest.mark.parametrize("values,setting", [
     (dict(temperature=-1.0), "temperature"), (dict(temperature=0, min_p=0.1), "min_p"),
-    (dict(temperature=0, typical_p=0.5), "typical_p"), (dict(top_k=3, top_p=0.5), "top_k"),
-    (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(no_repeat_ngram_size=0), "no_repeat_ngram_size"),
+    (dict(temperature=0, typical_p=0.5), "typical_p"), (dict(seed=-1), "seed"), (dict(seed=2**64), "seed"), (dict(no_repeat_ngram_size=0), "no_repeat_ngram_size"),
     (dict(frequency_penalty=9.0), "frequency_penalty"), (dict(logit_bias={1: 500}), "logit_bias"),
 ])
 def test_settings_errors_name_the_setting(values, setting):

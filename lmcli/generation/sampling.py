@@ -417,11 +417,11 @@ class SamplingSettings:
         return self.temperature == 0
 
     def check(self) -> None:
-        """Raise SamplingError for the first setting that breaks its rule."""
+        """Raise SamplingError for the first setting that breaks its rule. (Top-k with top-p is allowed
+        here, applied in that order as transformers does; generate()'s own arguments refuse the pair.)"""
         if not self.greedy:
             _require_number("temperature", self.temperature, lambda v: v >= 0, "must be >= 0 (0 means greedy)")
-        check_truncation(self.top_k, self.top_p)
-        if self.greedy:
+        else:
             for name in self.WARPERS:
                 if getattr(self, name) is not None:
                     raise SamplingError(name, "only applies to sampling, not greedy decoding")
