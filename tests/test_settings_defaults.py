@@ -55,7 +55,7 @@ def test_do_sample_false_means_greedy_and_drops_the_models_warpers(tmp_path):
     # ...but a flag that samples brings the model's top-k back
     sampled = GenerationSettings.from_flags(temperature=0.9).with_model_defaults(defaults)
     assert (sampled.temperature, sampled.top_k) == (0.9, 20)
-    with pytest.raises(LmcliError, match="--top-p only applies to sampling.*asks for greedy"):
+    with pytest.raises(LmcliError, match=r"--top-p only applies to sampling.*asks for greedy"):
         GenerationSettings.from_flags(top_p=0.5).with_model_defaults(defaults)
 
 
