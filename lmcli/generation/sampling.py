@@ -359,8 +359,8 @@ class ProcessorChain:
     def __bool__(self) -> bool:
         return bool(self.processors)
 
-    def __call__(self, input_ids: Any, logits: torch.Tensor) -> torch.Tensor:
-        """input_ids: the text [B, S], or None when no processor needs it."""
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """input_ids: the text [B, S] (empty, [B, 0], when no processor needs it)."""
         for processor in self.processors:
             logits = processor(input_ids, logits)
         return logits
