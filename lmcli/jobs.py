@@ -14,8 +14,8 @@ Job semantics (this is what the README documents):
   (Input order would mean holding finished rows back until every earlier row
   is done, and a kill would lose them.) Sort by `id` afterwards if you need to.
 - Rows are grouped by the settings a batch must share (all decoding settings
-  but the seed and max_new_tokens, and --ignore-eos), then sorted by max_new_tokens and prompt
-  length so little padding is wasted. Seeds, stop strings and max_new_tokens
+  but the seed and max_new_tokens, and --ignore-eos), then sorted by
+  max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.

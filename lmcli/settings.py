@@ -387,7 +387,7 @@ def _hf_defaults(path: Path) -> ModelDefaults:
 
 
 def _gguf_defaults(path: Path) -> ModelDefaults:
-    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.gguf_reader import read_gguf_metadata
 
     metadata = read_gguf_metadata(path)
     values = {setting: metadata[key] for key, setting in _GGUF_KEYS.items() if key in metadata}
