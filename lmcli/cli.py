@@ -344,7 +344,7 @@ def generate(
         logprobs=logprobs,
     )
     # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
-    settings = settings.with_model_defaults(read_model_defaults(checkpoint))
+    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
     def load():
         loaded, tokenizer = _load(checkpoint, model, device, dtype)
@@ -515,7 +515,7 @@ def info(
         ("tokenizer", _describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
-    facts += _decoding_facts(checkpoint)
+    facts += _decoding_facts(checkpoint, model)
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
@@ -560,11 +560,11 @@ def convert(
     typer.echo(f"wrote {written}: {files}", err=True)
 
 
-def _decoding_facts(checkpoint: Path | None) -> list[tuple[str, str]]:
+def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[str, str]]:
     """What `generate` would use with no decoding flags, and where each value comes from."""
     from lmcli.settings import GenerationSettings, read_model_defaults
 
-    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint))
+    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint, model))
     return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 

@@ -357,9 +357,12 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": 
               "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def read_model_defaults(checkpoint: str | Path | None) -> ModelDefaults:
+def read_model_defaults(checkpoint: str | Path | None, model_name: str | None = None) -> ModelDefaults:
     """The sampling defaults a checkpoint ships: generation_config.json beside an HF directory or a
-    .safetensors file, or a .gguf file's general.sampling.* keys; None is the embedded default model."""
+    .safetensors file, or a .gguf file's general.sampling.* keys; None is the embedded default model.
+    A model given only by name (no checkpoint) has none read here: its files are found at load."""
+    if checkpoint is None and model_name is not None:
+        return ModelDefaults()
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
 
