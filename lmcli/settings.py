@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,7 +233,7 @@ class GenerationSettings:
 
     def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
         """Raise `error` with one line saying which setting is wrong and why."""
-        from lmcli.generation.sampling import SamplingError
+        from lmcli.generation.sampling import SamplingError, check_logit_bias
 
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise error(f"{name('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
@@ -245,9 +244,11 @@ class GenerationSettings:
             if e.setting in WARPERS and self.source("temperature") not in (FLAG, ROW, DEFAULT):
                 message += f" ({self.source('temperature')} asks for greedy decoding; give a --temperature to sample)"
             raise error(message) from None
-        for token, bias in self.logit_bias:
-            if not _is_number(bias) or not math.isfinite(bias) or not -100 <= bias <= 100:
-                raise error(f"{name('logit_bias')} biases must be between -100 and 100, got {token}={bias:g}")
+        for token, bias in self.logit_bias:  # the tokens become ids with the tokenizer; the biases are checked now
+            try:
+                check_logit_bias({0: bias})
+            except SamplingError as e:
+                raise error(f"{name('logit_bias')} {e.requirement}, got {token}={bias:g}") from None
         if any(s == "" for s in self.stop):
             raise error(f"{name('stop')} must not be an empty string")
         if self.logprobs is not None and self.logprobs < 0:
