@@ -12,6 +12,8 @@ greedy with `temperature == 0` (as the CLI and job rows do), `generate()` says i
 The order is transformers': logit bias, repetition penalty, (presence and frequency penalties, which
 transformers lacks), n-gram blocking, minimum new tokens; then, when sampling, temperature, top-k,
 top-p, min-p and typical-p. A penalty therefore acts on the raw logits, before truncation.
+
+One concern, choosing the next token, which is why it is longer than most modules.
 """
 
 from __future__ import annotations
