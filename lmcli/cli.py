@@ -207,13 +207,17 @@ DTypeOption = Annotated[
 
 # The generation flags `generate` and `chat` share (a test checks that chat has every one of generate's).
 MaxNewTokensOption = Annotated[
-    int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
+    int | None,
+    typer.Option(
+        "--max-new-tokens", "--max-tokens", "-n", metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL,
+        help=f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+    ),
 ]
 TemperatureOption = Annotated[
     float | None,
     typer.Option(
         show_default=False, rich_help_panel=DECODING_PANEL,
-        help=f"Sampling temperature (default {DEFAULT_TEMPERATURE}); 0 means --greedy.",
+        help=f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.",
     ),
 ]
 TopKOption = Annotated[
@@ -240,6 +244,37 @@ StopOption = Annotated[
 ]
 IgnoreEosOption = Annotated[
     bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
+]
+MinPOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
+]
+TypicalPOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
+]
+PresencePenaltyOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
+]
+FrequencyPenaltyOption = Annotated[
+    float | None,
+    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
+]
+NoRepeatNgramSizeOption = Annotated[
+    int | None,
+    typer.Option(metavar="N", show_default=False, rich_help_panel=DECODING_PANEL, help="Never repeat an N-token sequence already in the text."),
+]
+LogitBiasOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--logit-bias", metavar="TOKEN=BIAS", show_default=False, rich_help_panel=DECODING_PANEL,
+        help="Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
+    ),
+]
+MinNewTokensOption = Annotated[
+    int | None,
+    typer.Option(metavar="INT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Do not stop at the end-of-text token before this many tokens."),
 ]
 ColorProbsOption = Annotated[
     bool,
@@ -293,14 +328,21 @@ def generate(
     tokenizer: TokenizerOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: MaxNewTokensOption = None,
     temperature: TemperatureOption = None,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    typical_p: TypicalPOption = None,
     repetition_penalty: RepetitionPenaltyOption = None,
+    presence_penalty: PresencePenaltyOption = None,
+    frequency_penalty: FrequencyPenaltyOption = None,
+    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
+    logit_bias: LogitBiasOption = None,
     greedy: GreedyOption = False,
     seed: SeedOption = None,
     stop: StopOption = None,
+    min_new_tokens: MinNewTokensOption = None,
     ignore_eos: IgnoreEosOption = False,
     chat: Annotated[
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
@@ -368,7 +410,7 @@ def generate(
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
     from lmcli.jobs import unescape_line
-    from lmcli.settings import GenerationSettings
+    from lmcli.settings import GenerationSettings, parse_logit_bias, read_model_defaults
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -379,7 +421,14 @@ def generate(
         greedy=greedy,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
+        typical_p=typical_p,
         repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens,
+        logit_bias=parse_logit_bias(logit_bias),
         seed=seed,
         stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         ignore_eos=ignore_eos,
@@ -388,9 +437,14 @@ def generate(
         logprobs=logprobs,
         truncate=not no_truncate,
     )
+    # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
+    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
     def load():
-        return _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp)
+        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp)
+        if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
+            settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
+        return loaded, loaded_tokenizer
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -580,14 +634,21 @@ def chat(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: MaxNewTokensOption = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: MaxNewTokensOption = None,
     temperature: TemperatureOption = None,
     top_k: TopKOption = None,
     top_p: TopPOption = None,
+    min_p: MinPOption = None,
+    typical_p: TypicalPOption = None,
     repetition_penalty: RepetitionPenaltyOption = None,
+    presence_penalty: PresencePenaltyOption = None,
+    frequency_penalty: FrequencyPenaltyOption = None,
+    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
+    logit_bias: LogitBiasOption = None,
     greedy: GreedyOption = False,
     seed: SeedOption = None,
     stop: StopOption = None,
+    min_new_tokens: MinNewTokensOption = None,
     ignore_eos: IgnoreEosOption = False,
     system: Annotated[
         str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="The system message.")
@@ -624,7 +685,8 @@ def chat(
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
     from lmcli.chat import ChatOptions, run_chat
-    from lmcli.settings import GenerationSettings
+    from lmcli.jobs import unescape_line
+    from lmcli.settings import GenerationSettings, parse_logit_bias, read_model_defaults
 
     settings = GenerationSettings.from_flags(
         max_new_tokens=max_new_tokens,
@@ -632,13 +694,21 @@ def chat(
         greedy=greedy,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
+        typical_p=typical_p,
         repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens,
+        logit_bias=parse_logit_bias(logit_bias),
         seed=seed,
-        stop=stop,
+        stop=[unescape_line(text) for text in stop or ()],
         ignore_eos=ignore_eos,
         chat=True,
         system=system,
     )
+    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
         explicit=frozenset(_explicit_settings(ctx)),
@@ -760,6 +830,7 @@ def info(
         ("tokenizer", describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
+    facts += _decoding_facts(checkpoint, model)
     if checkpoint is None and model is not None:
         from lmcli.model_names import resolve
 
@@ -809,6 +880,14 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
+
+
+def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[str, str]]:
+    """What `generate` would use with no decoding flags, and where each value comes from."""
+    from lmcli.settings import GenerationSettings, read_model_defaults
+
+    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint, model))
+    return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 
 @app.command()

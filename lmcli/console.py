@@ -120,7 +120,8 @@ class JobProgress:
 
 
 def row_summary(result: Any) -> str:
-    """One line about a finished row (a `RowResult`): tokens, speed, latency, why it stopped, its seed."""
+    """One line about a finished row (a `RowResult`): tokens, speed, latency, why it stopped, its seed,
+    and the decoding settings it used."""
     tokens = len(result.tokens)
     seconds = max((result.finished_at or result.started) - result.started, 1e-9)
     parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s"]
@@ -129,6 +130,7 @@ def row_summary(result: Any) -> str:
     parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
     if result.row.seed is not None:
         parts.append(f"seed {result.row.seed}")
+    parts.append(", ".join(f"{name} {value}" for name, value in result.row.settings.used().items()))
     return " · ".join(parts)
 
 

@@ -2,23 +2,24 @@
 
 Job semantics (this is what the README documents):
 
-- Input: `.jsonl` (one object per line: `prompt`, optional `id`, `seed`,
-  `max_new_tokens`, `temperature`, `top_k`, `top_p`, `stop`, `system`) or plain
+- Input: `.jsonl` (one object per line: `prompt`, optional `id` and the
+  settings in `lmcli.settings.ROW_SETTINGS`) or plain
   text (one prompt per line, `\\n` for a newline, `\\\\` for a backslash). Blank
   lines are skipped; a row without `id` gets its line number (1-based). Ids are
   JSON values: `1` and `"1"` are different rows.
 - A `.jsonl` file whose first row is an OpenAI batch request is read as such
   (openai_batch.py); its rows are keyed by `custom_id` and answered with
   OpenAI batch response rows.
-- Row fields override the command-line flags for that row. A row that sets
-  `top_k` or `top_p` replaces both; `temperature: 0` makes the row greedy.
+- Row fields override the command-line flags (and the model's own defaults)
+  for that row. A row that sets `top_k` or `top_p` replaces both;
+  `temperature: 0` makes the row greedy.
 - Output order: **completion order**. Each row is written, tagged by its `id`,
   the moment it finishes, as one complete line that is flushed and fsync'd.
   (Input order would mean holding finished rows back until every earlier row
   is done, and a kill would lose them.) Sort by `id` afterwards if you need to.
-- Rows are grouped by the settings a batch must share (temperature, top-k/p,
-  repetition penalty, --ignore-eos), then sorted by max_new_tokens and prompt
-  length so little padding is wasted. Seeds, stop strings and max_new_tokens
+- Rows are grouped by the settings a batch must share (all decoding settings
+  but the seed and max_new_tokens, and --ignore-eos), then sorted by
+  max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
@@ -57,9 +58,9 @@ from lmcli.generation.rows import (
     require_chat_template,
     truncation_warning,
 )
-from lmcli.settings import GenerationSettings, RowError, input_hash
+from lmcli.settings import ROW_SETTINGS, GenerationSettings, RowError, input_hash
 
-ROW_FIELDS = ("prompt", "id", "seed", "max_new_tokens", "temperature", "top_k", "top_p", "stop", "system")
+ROW_FIELDS = ("prompt", "id", *ROW_SETTINGS)
 
 
 

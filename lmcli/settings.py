@@ -1,7 +1,17 @@
 """GenerationSettings: everything that decides a completion besides the prompt and the model.
 
-Built from command-line flags (`from_flags`, errors name the flag) or a job row's overrides
-(`for_row`, errors name the field), and validated on creation.
+Four layers decide each setting, the first that sets it wins:
+
+    a job row's field > a command-line flag > the model's own defaults > lmcli's defaults
+
+(a row is the more specific: it overrides the flags for that row, as the job format always did).
+The model's defaults come from `generation_config.json` (HF directories) or the GGUF
+`general.sampling.*` keys (`read_model_defaults`). Each setting remembers where it came from
+(`sources`), which `lmcli info`, `--stats` and JSONL rows show.
+
+The sampling rules themselves (ranges, what applies only when sampling) live in
+lmcli.generation.sampling; here they are only named as the user wrote them: `--top-p` for a flag,
+`"top_p"` for a row, the file and key for a model's default.
 """
 
 from __future__ import annotations
@@ -9,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from lmcli.errors import UsageError
+from lmcli.errors import LmcliError, UsageError
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TEMPERATURE = 0.8
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 # How each setting is named to the user, on the command line and in a JSONL row.
 FLAG_NAMES = {
@@ -26,14 +35,47 @@ FLAG_NAMES = {
     "temperature": "--temperature",
     "top_k": "--top-k",
     "top_p": "--top-p",
+    "min_p": "--min-p",
+    "typical_p": "--typical-p",
     "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "no_repeat_ngram_size": "--no-repeat-ngram-size",
+    "min_new_tokens": "--min-new-tokens",
+    "logit_bias": "--logit-bias",
     "seed": "--seed",
     "stop": "--stop",
     "system": "--system",
     "logprobs": "--logprobs",
 }
+# Settings a JSONL row may set (besides "prompt" and "id").
+ROW_SETTINGS = ("seed", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p",
+                "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
+                "min_new_tokens", "logit_bias", "stop", "system")
+INTEGER_SETTINGS = ("seed", "max_new_tokens", "top_k", "no_repeat_ngram_size", "min_new_tokens")
+NUMBER_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+TRUNCATION = ("top_k", "top_p")  # one unit: a layer that sets either replaces both
+WARPERS = ("top_k", "top_p", "min_p", "typical_p")  # apply only when sampling
+# What the model's own defaults may set.
+MODEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "max_new_tokens")
+
+DEFAULT, FLAG, ROW = "lmcli default", "flag", "row"
+
+
 class RowError(ValueError):
     """A problem with one input row; it becomes that row's `error` and the job goes on."""
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    """The sampling settings a checkpoint asks for, and the file (and keys) they came from."""
+
+    values: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""  # e.g. "generation_config.json"
+
+    def __bool__(self) -> bool:
+        return bool(self.values)
 
 
 @dataclass(frozen=True)
@@ -44,7 +86,14 @@ class GenerationSettings:
     temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy (argmax)
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
+    typical_p: float | None = None
     repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None
+    min_new_tokens: int | None = None
+    logit_bias: tuple[tuple[str, float], ...] = ()  # (token as text or as an id, bias), resolved with the tokenizer
     seed: int | None = None  # as given; rows without one draw their own
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -52,41 +101,53 @@ class GenerationSettings:
     system: str | None = None
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
     truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
+    # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def source(self, name: str) -> str:
+        return self.sources.get(name, DEFAULT)
+
     @classmethod
-    def from_flags(cls, *, greedy: bool = False, temperature: float | None = None, **values) -> GenerationSettings:
-        """Settings from command-line flags; raises UsageError naming the flag."""
+    def from_flags(cls, *, greedy: bool = False, temperature: float | None = None,
+                   max_new_tokens: int | None = None, **values) -> GenerationSettings:
+        """Settings from command-line flags (None: not given); raises UsageError naming the flag."""
         if greedy and temperature not in (None, 0):
             raise UsageError(f"--greedy and --temperature {temperature:g} contradict each other; pick one")
-        if temperature is None:
-            temperature = 0.0 if greedy else DEFAULT_TEMPERATURE
+        if greedy:
+            temperature = 0.0
         if values.get("system") is not None and not values.get("chat"):
             raise UsageError("--system only applies with --chat")
-        values["stop"] = tuple(values.get("stop") or ())
-        settings = cls(temperature=float(temperature), **values)
+        given = {name: value for name, value in values.items() if value is not None}
+        for name in ("stop", "logit_bias"):
+            if name in given:
+                given[name] = tuple(given[name])
+                if not given[name]:
+                    del given[name]
+        if temperature is not None:
+            given["temperature"] = float(temperature)
+        if max_new_tokens is not None:
+            given["max_new_tokens"] = max_new_tokens
+        _check_truncation_layer(given, lambda name: FLAG_NAMES[name], UsageError)
+        sources = {name: FLAG for name in given if name in FLAG_NAMES}
+        settings = cls(**given, sources=sources)
         settings.check(lambda name: FLAG_NAMES[name], UsageError)
         return settings
 
     def for_row(self, row: dict) -> GenerationSettings:
         """These settings with a JSONL row's overrides; raises RowError naming the field."""
         changes: dict[str, Any] = {}
-        for name in ("seed", "max_new_tokens", "top_k"):
+        for name in INTEGER_SETTINGS:
             if name in row:
                 changes[name] = _row_int(row, name)
-        if "temperature" in row:
-            changes["temperature"] = float(_row_number(row, "temperature"))
-        if "top_p" in row:
-            changes["top_p"] = float(_row_number(row, "top_p"))
-        if "top_k" in row or "top_p" in row:
-            # Truncation comes from the row as a whole, or it would clash with a flag.
-            changes.setdefault("top_k", None)
-            changes.setdefault("top_p", None)
-        elif changes.get("temperature") == 0:
-            changes.update(top_k=None, top_p=None)  # a greedy row drops the flags' truncation
+        for name in NUMBER_SETTINGS:
+            if name in row:
+                changes[name] = float(_row_number(row, name))
+        _check_truncation_layer(changes, lambda name: f'"{name}"', RowError)
         if "stop" in row:
             stop = row["stop"]
             if isinstance(stop, str):
@@ -94,47 +155,162 @@ class GenerationSettings:
             if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
                 raise RowError('"stop" must be a string or a list of strings')
             changes["stop"] = tuple(stop)
+        if "logit_bias" in row:
+            bias = row["logit_bias"]
+            if not isinstance(bias, dict) or not all(_is_number(v) for v in bias.values()):
+                raise RowError('"logit_bias" must be an object of token (text or id) to bias, e.g. {"13": -100}')
+            changes["logit_bias"] = tuple((str(token), float(value)) for token, value in bias.items())
         if "system" in row:
             if not isinstance(row["system"], str):
                 raise RowError('"system" must be a string')
             if not self.chat:
                 raise RowError('"system" only applies with --chat')
             changes["system"] = row["system"]
-        settings = dataclasses.replace(self, **changes)
+        sources = dict(self.sources)
+        for name in changes:
+            sources[name] = ROW
+        if any(name in changes for name in TRUNCATION):
+            # Truncation comes from the row as a whole, or it would clash with a flag.
+            for name in TRUNCATION:
+                changes.setdefault(name, None)
+                sources[name] = ROW
+        if changes.get("temperature") == 0:
+            for name in WARPERS:  # a greedy row drops the flags' sampling-only settings
+                if name not in row:
+                    changes[name] = None
+                    sources.pop(name, None)
+        settings = dataclasses.replace(self, **changes, sources=sources)._with_model_layer()
         settings.check(lambda name: f'"{name}"', RowError)
         return settings
 
+    def with_model_defaults(self, defaults: ModelDefaults) -> GenerationSettings:
+        """These settings over the model's own defaults (which fill only what no flag or row set)."""
+        settings = dataclasses.replace(self, model_defaults=defaults)._with_model_layer()
+        settings.check(self._name_by_source, LmcliError)
+        return settings
+
+    def _with_model_layer(self) -> GenerationSettings:
+        """Refill, from the model's defaults, every setting that only has lmcli's default."""
+        defaults = self.model_defaults
+        changes: dict[str, Any] = {}
+        sources = {name: where for name, where in self.sources.items() if where in (FLAG, ROW)}
+        for name in MODEL_SETTINGS:
+            if sources.get(name) in (FLAG, ROW):
+                continue
+            if name in TRUNCATION and any(sources.get(t) in (FLAG, ROW) for t in TRUNCATION):
+                changes[name] = None  # the user chose the truncation; the model's does not mix in
+            elif name in defaults.values:
+                changes[name] = defaults.values[name]
+                sources[name] = defaults.source
+            else:
+                changes[name] = _LMCLI_DEFAULTS.get(name)
+        temperature = changes.get("temperature", self.temperature)
+        if temperature == 0:  # greedy: the model's sampling-only settings do not apply
+            for name in WARPERS:
+                if sources.get(name) == defaults.source:
+                    changes[name] = None
+                    del sources[name]
+        return dataclasses.replace(self, **changes, sources=sources)
+
+    def _name_by_source(self, name: str) -> str:
+        where = self.source(name)
+        if where == FLAG:
+            return FLAG_NAMES[name]
+        if where == ROW:
+            return f'"{name}"'
+        return f"{name} (from {where})"
+
+    @property
+    def sampling(self):
+        """The sampling part, for lmcli.generation.sampling (logit_bias as given, not yet token ids)."""
+        from lmcli.generation.sampling import SamplingSettings
+
+        return SamplingSettings(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            no_repeat_ngram_size=self.no_repeat_ngram_size, min_new_tokens=self.min_new_tokens, seed=self.seed,
+        )
+
     def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
         """Raise `error` with one line saying which setting is wrong and why."""
-        for number in ("temperature", "top_p", "repetition_penalty"):  # nan passes every comparison below
-            value = getattr(self, number)
-            if value is not None and not math.isfinite(value):
-                raise error(f"{name(number)} must be a finite number, got {value}")
-        if self.max_new_tokens < 1:
+        from lmcli.generation.sampling import SamplingError, check_logit_bias
+
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise error(f"{name('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise error(f"{name('temperature')} must be >= 0 (0 means greedy), got {self.temperature:g}")
-        if self.top_k is not None and self.top_k < 1:
-            raise error(f"{name('top_k')} must be at least 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise error(f"{name('top_p')} must be in (0, 1], got {self.top_p:g}")
-        if self.top_k is not None and self.top_p is not None:
-            raise error(f"{name('top_k')} and {name('top_p')} cannot be used together; pick one")
-        if self.greedy and (self.top_k is not None or self.top_p is not None):
-            which = name("top_k") if self.top_k is not None else name("top_p")
-            raise error(f"{which} only applies to sampling, not greedy decoding")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise error(f"{name('repetition_penalty')} must be > 0 (1 means none), got {self.repetition_penalty:g}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise error(f"{name('seed')} must be between 0 and 2**63-1, got {self.seed}")
+        try:
+            self.sampling.check()
+        except SamplingError as e:
+            message = e.message_for(name)
+            if e.setting in WARPERS and self.source("temperature") not in (FLAG, ROW, DEFAULT):
+                message += f" ({self.source('temperature')} asks for greedy decoding; give a --temperature to sample)"
+            raise error(message) from None
+        for token, bias in self.logit_bias:  # the tokens become ids with the tokenizer; the biases are checked now
+            try:
+                check_logit_bias({0: bias})
+            except SamplingError as e:
+                raise error(f"{name('logit_bias')} {e.requirement}, got {token}={bias:g}") from None
         if any(s == "" for s in self.stop):
             raise error(f"{name('stop')} must not be an empty string")
         if self.logprobs is not None and self.logprobs < 0:
             raise error(f"{name('logprobs')} must be >= 0, got {self.logprobs}")
 
+    def logit_bias_ids(self, tokenizer, vocab_size: int) -> dict[int, float]:
+        """{token id: bias}: a token given as digits is an id, any other as text that must be one token."""
+        name = self._name_by_source("logit_bias")
+        error: type[Exception] = UsageError if self.source("logit_bias") == FLAG else RowError
+        ids: dict[int, float] = {}
+        for token, bias in self.logit_bias:
+            if token.isdigit():
+                token_id = int(token)
+                if token_id >= vocab_size:
+                    raise error(f"{name}: token id {token_id} is outside the vocabulary ({vocab_size} tokens)")
+            else:
+                encoded = list(tokenizer.encode(token, add_special_tokens=False))
+                if len(encoded) != 1:
+                    raise error(f"{name}: {token!r} is {len(encoded)} tokens {encoded}, not one; give one token or its id")
+                token_id = encoded[0]
+            ids[token_id] = bias
+        return ids
+
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
-        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos, self.logprobs)
+        return (*(getattr(self, name) for name in MODEL_SETTINGS if name != "max_new_tokens"),
+                self.presence_penalty, self.frequency_penalty, self.no_repeat_ngram_size, self.min_new_tokens,
+                self.logit_bias, self.ignore_eos, self.logprobs)
+
+    def used(self) -> dict[str, Any]:
+        """The decoding settings in effect (those that are on), as JSON output records them."""
+        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
+        for name in ("top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "no_repeat_ngram_size", "min_new_tokens"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
+        return out
+
+    def described(self) -> list[tuple[str, str, str]]:
+        """(setting, value, where it came from) for each decoding setting, as `lmcli info` shows them."""
+        rows = []
+        for name in ("max_new_tokens", "temperature", *WARPERS, "repetition_penalty"):
+            value = getattr(self, name)
+            shown = "off" if value is None else ("0 (greedy)" if name == "temperature" and value == 0 else f"{value:g}")
+            rows.append((name, shown, self.source(name)))
+        return rows
+
+
+_LMCLI_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationSettings) if f.name in MODEL_SETTINGS}
+
+
+def _check_truncation_layer(values: Mapping[str, Any], name: Callable[[str], str], error: type[Exception]) -> None:
+    """One layer (the flags, or a row) may not set both top-k and top-p; a model's defaults may."""
+    if values.get("top_k") is not None and values.get("top_p") is not None:
+        raise error(f"{name('top_k')} and {name('top_p')} cannot be used together; pick one")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _row_int(row: dict, name: str) -> int:
@@ -146,14 +322,96 @@ def _row_int(row: dict, name: str) -> int:
 
 def _row_number(row: dict, name: str) -> float:
     value = row[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not _is_number(value):
         raise RowError(f'"{name}" must be a number, got {json.dumps(value)}')
     return value
 
 
+def parse_logit_bias(specs: list[str] | None) -> tuple[tuple[str, float], ...]:
+    """--logit-bias TOKEN=BIAS (repeatable) -> ((token, bias), ...); the last '=' splits, so a token may hold one."""
+    parsed = []
+    for spec in specs or ():
+        token, sep, bias = spec.rpartition("=")
+        try:
+            value = float(bias)
+        except ValueError:
+            value = None
+        if not sep or not token or value is None:
+            raise UsageError(f"--logit-bias takes TOKEN=BIAS (a token id or its text, and a number), got {spec!r}")
+        parsed.append((token, value))
+    return tuple(parsed)
+
+
 def input_hash(prompt: Any, settings: GenerationSettings) -> str:
     """A fingerprint of what decides a row's result, so resume can tell if the input changed."""
-    payload = json.dumps(
-        {"prompt": prompt, "settings": dataclasses.asdict(settings)}, sort_keys=True, ensure_ascii=False
-    )
+    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.compare}
+    payload = json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+# ----------------------------------------------------------------------------- the model's own defaults
+
+# generation_config.json keys that are lmcli settings of the same name, and their "off" values.
+_HF_OFF = {"top_k": 0, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_p": 0.0}
+# llama.cpp's GGUF keys (general.sampling.*) and the lmcli setting each one is.
+_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+              "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def read_model_defaults(checkpoint: str | Path | None, model_name: str | None = None) -> ModelDefaults:
+    """The sampling defaults a checkpoint ships: generation_config.json beside an HF directory or a
+    .safetensors file, or a .gguf file's general.sampling.* keys; None is the embedded default model.
+    A model given only by name (no checkpoint) has none read here: its files are found at load."""
+    if checkpoint is None and model_name is not None:
+        return ModelDefaults()
+    if checkpoint is None:
+        from lmcli.default_model import default_checkpoint_path
+
+        checkpoint = default_checkpoint_path()
+    path = Path(checkpoint)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_defaults(path)
+    directory = path if path.is_dir() else path.parent
+    config = directory / "generation_config.json"
+    return _hf_defaults(config) if config.is_file() else ModelDefaults()
+
+
+def _hf_defaults(path: Path) -> ModelDefaults:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LmcliError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise LmcliError(f"{path}: not a JSON object")
+    values = {name: data[name] for name in MODEL_SETTINGS if data.get(name) is not None}
+    values = {name: value for name, value in values.items() if value != _HF_OFF.get(name)}
+    if data.get("do_sample") is False:
+        values["temperature"] = 0.0  # transformers decodes greedily then, whatever the temperature says
+    return _checked(values, str(path))
+
+
+def _gguf_defaults(path: Path) -> ModelDefaults:
+    from lmcli.io.gguf_reader import read_gguf_metadata
+
+    metadata = read_gguf_metadata(path)
+    values = {setting: metadata[key] for key, setting in _GGUF_KEYS.items() if key in metadata}
+    # llama.cpp treats top_k <= 0, top_p >= 1, min_p <= 0 and penalty 1 as off.
+    off = {"top_k": lambda v: v <= 0, "top_p": lambda v: v >= 1, "min_p": lambda v: v <= 0,
+           "repetition_penalty": lambda v: v == 1}
+    values = {name: value for name, value in values.items() if not (name in off and _is_number(value) and off[name](value))}
+    return _checked(values, f"{path.name} (general.sampling)")
+
+
+def _checked(values: dict[str, Any], source: str) -> ModelDefaults:
+    """The model's values, checked by the same rules as a flag's; an error names the file and key."""
+    for name in ("top_k", "max_new_tokens"):
+        if _is_number(values.get(name)) and float(values[name]).is_integer():
+            values[name] = int(values[name])
+    for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty"):
+        if _is_number(values.get(name)):
+            values[name] = float(values[name])
+    # A greedy model's sampling-only values are checked as if it sampled (they apply once a flag samples).
+    probe = GenerationSettings(**{**values, "temperature": values.get("temperature") or 1.0})
+    probe.check(lambda name: f"{source}: {name}", LmcliError)
+    return ModelDefaults(values, source)

@@ -131,7 +131,7 @@ def test_row_text_joins_multibyte_characters_and_cuts_at_stops(byte_decoder):
         (dict(greedy=True, temperature=0.7), "--greedy and --temperature 0.7 contradict"),
         (dict(greedy=True, top_k=3), "--top-k only applies to sampling"),
         (dict(repetition_penalty=0.0), "--repetition-penalty must be > 0"),
-        (dict(seed=-1), "--seed must be between 0 and 2**63-1"),
+        (dict(seed=-1), "--seed must be between 0 and 2**64-1"),
         (dict(stop=[""]), "--stop must not be an empty string"),
         (dict(system="be brief"), "--system only applies with --chat"),
         (dict(logprobs=-1), "--logprobs must be >= 0"),

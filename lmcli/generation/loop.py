@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcli.config import eos_id_list
-from lmcli.generation.sampling import LogitsProcessor, row_generators, sample, sampling_transforms
+from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, make_sampler
 
 if TYPE_CHECKING:
     from lmcli.models.base import BaseModel
@@ -91,8 +91,8 @@ def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, 
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     if not 0 <= cached < x.shape[1] or (cached and cache is None):
         raise ValueError(f"cached must be in [0, {x.shape[1]}) and needs a cache, got {cached}")
-    transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
-    processors = list(logits_processors or [])
+    # Built (and validated) once, before any work: the loop only calls them.
+    chain = make_processor_chain(do_sample, temperature, top_k, top_p, logits_processors)
     eos = eos_id_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
@@ -101,7 +101,7 @@ def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, 
     batch, prompt_len = x.shape
     total = prompt_len + max_new_tokens
     max_positions = model.config.max_position_embeddings
-    capacity = history_capacity(prompt_len, max_new_tokens, max_positions, ignore_output and not processors)
+    capacity = history_capacity(prompt_len, max_new_tokens, max_positions, ignore_output and not chain.needs_history)
     ids = torch.full((batch, capacity), pad_token_id, dtype=torch.long, device=device)  # (B, L)
     ids[:, :prompt_len] = x.to(device)
     slot_is_token = torch.ones((batch, capacity), dtype=torch.bool, device=device)  # (B, L)
@@ -110,7 +110,7 @@ def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, 
     # a row's set of seen tokens (e.g. for a repetition penalty) is the same alone or in a batch.
     first_token = ids.gather(1, (~slot_is_token[:, :prompt_len]).sum(-1, keepdim=True))  # (B, 1)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
-    generators = row_generators(seed, batch, device) if do_sample else []
+    choose = make_sampler(do_sample, seed, batch, device)
 
     parallel = getattr(model, "tensor_parallel", None)  # see lmcli.distributed
     if cache is None and use_cache:
@@ -138,21 +138,11 @@ def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, 
             )
         logits = logits[:, -1].float()  # (B, V)
 
-        scores = logits
-        # Only processors read the text so far; the built-in transforms get an empty view.
+        # Only processors that read the text so far get it; the others get an empty view.
         context = ids[:, :0]  # (B, 0)
-        if processors:
+        if chain.needs_history:
             context = torch.where(slot_is_token[:, :length], ids[:, :length], first_token)  # (B, length)
-        if do_sample:
-            for transform in transforms:
-                scores = transform(context, scores)
-            for processor in processors:
-                scores = processor(context, scores)
-            next_token = sample(scores, generators)
-        else:
-            for processor in processors:
-                scores = processor(context, scores)
-            next_token = scores.argmax(dim=-1)  # (B,)
+        next_token = choose(chain(context, logits))  # (B,)
 
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         if parallel is not None:

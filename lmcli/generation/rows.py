@@ -6,6 +6,7 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +111,7 @@ class RowResult:
             "prompt_tokens": len(self.row.prompt_ids),
             "completion_tokens": len(self.tokens),
             "seed": self.row.seed,
+            "settings": self.row.settings.used(),  # what decided the text: flags, row, model or lmcli defaults
         }
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
@@ -163,11 +165,14 @@ def generate_batch(
         attention_mask = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device
         )
-    processors = None
-    if settings.repetition_penalty not in (None, 1.0):
-        from lmcli.generation.sampling import RepetitionPenalty
-
-        processors = [RepetitionPenalty(settings.repetition_penalty)]
+    vocab_size = model.config.vocab_size if settings.logit_bias else None
+    bias = settings.logit_bias_ids(tokenizer, vocab_size) if vocab_size is not None else {}
+    # The whole chain (penalties, then temperature and truncation) is built here, in transformers'
+    # order; generate()'s own temperature/top_k/top_p stay neutral.
+    do_sample, processors = dataclasses.replace(settings.sampling, logit_bias=bias).policy(
+        prompt_length=width, pad_counts=[width - len(r.prompt_ids) for r in rows],
+        eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
+    )
     top_logprobs = settings.logprobs
 
     started = time.perf_counter()
@@ -216,14 +221,11 @@ def generate_batch(
     (run or model.generate)(
         input_ids,
         max_new_tokens=max(r.settings.max_new_tokens for r in rows),
-        do_sample=not settings.greedy,
-        temperature=settings.temperature if not settings.greedy else 1.0,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
+        do_sample=do_sample,
         attention_mask=attention_mask,
         eos_token_id=sorted(stop_at_eos) or None,
         pad_token_id=pad_id,
-        seed=None if settings.greedy else [r.seed for r in rows],
+        seed=[r.seed for r in rows] if do_sample else None,
         logits_processors=processors,
         on_token=on_token,
         ignore_output=True,  # on_token has seen every token already
