@@ -370,7 +370,7 @@ def test_repl_in_a_terminal_with_commands_save_and_resume(tiny_checkpoint, tmp_p
     term.send('second line"""\r')
     term.wait_for(">>> ")
     term.send("/save first.json\r")
-    screen = term.wait_for("saved 5 messages")
+    screen = term.wait_for(r"saved 5 messages[^\n]*\n>>> ")  # the prompt is back: Ctrl-D now reaches readline
     assert term.finish() == 0, screen
 
     saved = json.loads((tmp_path / "first.json").read_text())
@@ -390,7 +390,7 @@ def test_repl_in_a_terminal_with_commands_save_and_resume(tiny_checkpoint, tmp_p
     term.send(f"{u3}\r")
     term.wait_for(">>> ")
     term.send("/save second.json\r")
-    screen = term.wait_for("saved 7 messages")
+    screen = term.wait_for(r"saved 7 messages[^\n]*\n>>> ")
     assert term.finish() == 0, screen
     messages.append({"role": "user", "content": u3})
     r3 = reply_text(tokenizer, fresh_reply(model, tokenizer, messages, n))
@@ -435,7 +435,7 @@ def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, smollm2
     term.send("Thanks!\r")
     term.wait_for(">>> ")
     term.send("/save t.json\r")
-    screen = term.wait_for("saved 4 messages")
+    screen = term.wait_for(r"saved 4 messages[^\n]*\n>>> ")
     assert term.finish() == 0, screen
     messages = json.loads((tmp_path / "t.json").read_text())["messages"]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]

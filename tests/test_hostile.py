@@ -380,7 +380,7 @@ def test_ordinary_template_operations_still_work(template_dir):
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["-n", "0"], "--max-new-tokens must be at least 1"),
-    (["--seed", "-1"], "--seed must be between 0 and 2**63-1"),
+    (["--seed", "-1"], "--seed must be between 0 and 2**64-1"),
     (["--stop", ""], "--stop must not be an empty string"),
     (["--temperature", "abc"], "Invalid value for '--temperature'"),
 ])
