@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # numpy loads only when a file is written
+    import numpy as np
 
 SYNTHETIC_FORMAT = 1  # bump when the file written below changes
 
@@ -78,6 +80,8 @@ def _vocabulary(size: int) -> tuple[list[str], list[float], list[int]]:
 
 def _random_q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float) -> np.ndarray:
     """[rows, cols // 32 * 18] bytes of Q4_0 blocks: a float16 scale near `scale`, random 4-bit values."""
+    import numpy as np
+
     blocks = rows * (cols // Q4_0_BLOCK)
     data = rng.integers(0, 256, size=(blocks, Q4_0_BLOCK_BYTES), dtype=np.uint8)
     scales = (scale * (0.5 + rng.random(blocks, dtype=np.float32))).astype(np.float16)
@@ -88,6 +92,7 @@ def _random_q4_0(rows: int, cols: int, rng: np.random.Generator, scale: float) -
 def write_synthetic_llama(path: str | Path, sizes: SyntheticLlama = SyntheticLlama(), seed: int = 0) -> Path:
     """Write the synthetic llama as a Q4_0 GGUF at `path` (atomically: a partial file is renamed)."""
     import gguf
+    import numpy as np
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,3 +153,54 @@ def synthetic_llama_gguf(directory: str | Path | None = None) -> Path:
     if not path.is_file():
         write_synthetic_llama(path)
     return path
+
+
+# ----------------------------------------------------------------------------- fixed inputs
+
+# The real-model prompts: the end-to-end greedy checks in tests/ and the bench's quality figures use these.
+TEXT_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village by the sea,",
+    "def fibonacci(n):\n    ",
+    "The three primary colours are",
+    "Water boils at a temperature of",
+]
+
+# A fixed text for the KL divergence of quantized formats (written for lmcli; any plain prose would do).
+# About 700 tokens with a 49k BPE vocabulary; the bench takes its first 512.
+QUALITY_TEXT = """\
+The lighthouse at the end of the northern breakwater was built in 1871, after three ships had been lost on \
+the same reef in a single winter. Its first keeper, a retired ship's carpenter named Elias Ward, kept a log \
+of every vessel that passed, every change in the weather and every repair he made to the lamp. The log still \
+exists. It is a plain book bound in brown leather, and most of its entries are short: "Wind north-east, \
+fresh. Fog from four until nine. Brig Margaret passed inward at noon." Read one after another, though, the \
+entries tell a longer story about how a small town learned to live with the sea.
+
+In the first years the lamp burned whale oil, and the keeper trimmed the wicks every four hours through the \
+night. Soot blackened the glass, so each morning began with cleaning it. Ward wrote that a clean lens could \
+be seen from eighteen miles away on a clear night, but only from six when the glass was dirty, and that the \
+difference had nothing to do with the oil and everything to do with patience. When kerosene replaced the \
+oil in 1884, the light grew brighter and the work grew easier, yet he kept cleaning the glass twice a day.
+
+The town changed around the tower. The harbour was dredged, a railway reached the quay, and the fishing \
+fleet that had once numbered forty small boats gave way to a dozen larger ones with engines. Warehouses went \
+up along the waterfront and came down again when the trade moved south. Through all of it the light turned \
+every night, and the log recorded the names of the ships, the state of the tide and the hour of sunrise.
+
+Modern readers tend to look for drama in such records, and there is some. On the night of the great storm \
+of 1893, Ward noted that the waves broke over the gallery, forty feet above the water, and that he tied \
+himself to the railing to reach the lamp when the draught put it out. Two fishing boats were saved that \
+night because their crews could still see the light between the squalls. The entry for the following \
+morning reads only: "Storm passed. Glass cracked on the seaward side. Replaced it."
+
+What stands out more, on a careful reading, is the attention to ordinary things. Ward measured the rain, \
+counted the seabirds nesting on the rocks, and recorded the first swallow of each spring. He noticed that \
+the herring arrived later each decade and wrote down his guesses about why. Scientists who study the \
+coast have since used his numbers, because so few people were measuring anything there at the time.
+
+The light was automated in 1962, and the last keeper left the tower that autumn. Today a small electric \
+lamp, checked once a month by an engineer who drives out from the city, does the work that once took a \
+family's whole life. The keeper's cottage has become a museum, and the log sits in a glass case by the \
+door, open at the page for the great storm. Visitors read it, look out at the reef, and usually go quiet \
+for a moment before they walk back along the breakwater toward the town.
+"""

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperGroup
 
+from lmcli.bench import BenchSettings
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
@@ -578,32 +579,70 @@ def _human_bytes(count: int) -> str:
     return f"{count} bytes"
 
 
+_BENCH_PANEL = "What to measure"
+_BENCH = BenchSettings()  # the defaults, shown in --help
+
+
 @app.command()
 def bench(
     checkpoint: CheckpointOption = None,
     model: ModelOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
-    ] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, show_default=False, help="Rows per batch.")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option(min=1, show_default=False, help="Prompt length in tokens.")] = None,
+    engines: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Engines to compare, comma-separated: lmcli, transformers, llama.cpp (when llama-cpp-python is "
+             f"importable). Default: {','.join(_BENCH.engines)}.")] = None,
+    formats: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="lmcli weight formats, comma-separated: float (quantize=none, --dtype), native (the GGUF's own "
+             f"quantization), int4, int8 (--quantize). Default: {','.join(_BENCH.formats)}.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", "-n", min=2, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"New tokens per decode run. Default: {_BENCH.new_tokens}.")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Decode runs at batch 1 and at this batch size. Default: {max(_BENCH.batch_sizes)}.")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Prompt length before the decode runs. Default: {_BENCH.prompt_tokens}.")] = None,
+    prefill_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Prompt length of the prefill / time-to-first-token run. Default: {_BENCH.prefill_tokens}.")] = None,
+    repeats: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Interleaved rounds; the figures are their medians. Default: {_BENCH.repeats}.")] = None,
+    contexts: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Contexts for lmcli's decode scaling, comma-separated ('' for none). "
+             f"Default: {','.join(map(str, _BENCH.scaling_contexts))}.")] = None,
+    scaling_batches: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Batch sizes for lmcli's decode scaling, comma-separated ('' for none). "
+             f"Default: {','.join(map(str, _BENCH.scaling_batches))}.")] = None,
+    skip_quality: Annotated[bool, typer.Option(
+        "--no-quality", rich_help_panel=_BENCH_PANEL,
+        help="Skip the quality figures (greedy agreement and KL divergence of quantized formats).")] = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", rich_help_panel=_BENCH_PANEL,
+        help="One round, no 4k context or batch 32, a shorter quality check.")] = False,
+    threads: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Threads per engine. Default: torch's thread count.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON instead of tables.")] = False,
 ) -> None:
-    """Benchmark generation speed (see lmcli/bench.py)."""
+    """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
 
     options = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
-        model=model,
-        device=device.value,
-        dtype=dtype.value,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        prompt_tokens=prompt_tokens,
+        model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
+        prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
+        skip_quality=skip_quality, quick=quick, threads=threads, as_json=as_json,
     )
-    # Unset options are left out so bench.py's own defaults apply.
-    bench_module.main(**{k: v for k, v in options.items() if v is not None})
+    # Unset options are left out so bench.py's own defaults apply (and are validated there).
+    bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})
 
 
 def main() -> None:
