@@ -388,19 +388,27 @@ def _plan_file() -> Path:
     return cache_dir() / "kernels.json"
 
 
-def _time(fn, budget: float = 0.15) -> float:
-    """Best seconds per call over a few short rounds (the minimum resists other processes' noise)."""
-    fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-6)
-    calls = max(1, min(50, int(budget / 4 / once)))
-    best = float("inf")
-    for _ in range(4):
+def _time_interleaved(calls: dict[str, Any], rounds: int = 5, round_seconds: float = 0.004) -> dict[str, float]:
+    """Best seconds per call of each function, timed in turns so that load from other processes
+    falls on all of them alike; the minimum over rounds resists that noise."""
+    repeats = {}
+    for name, fn in calls.items():
+        fn()
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn()
+        repeats[name] = max(1, min(50, int(round_seconds / max(time.perf_counter() - start, 1e-6))))
+    best = dict.fromkeys(calls, float("inf"))
+    spent = dict.fromkeys(calls, 0.0)
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if spent[name] > 0.2:  # a slow candidate is slow enough to tell after a round or two
+                continue
+            start = time.perf_counter()
+            for _ in range(repeats[name]):
+                fn()
+            took = time.perf_counter() - start
+            spent[name] += took
+            best[name] = min(best[name], took / repeats[name])
     return best
 
 
@@ -420,7 +428,6 @@ def measure(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice
     weight = torch.randn(_PROBE_SHAPE, generator=gen) * 0.05
     q = GroupQuantized.quantize(weight, 4 if kind == "int4" else 8)
     reference_weight = q.dequantise(torch.float32)
-    seconds: dict[str, float] = {}
     rejected: dict[str, str] = {}
     kernels: dict[str, Kernel] = {}
     for name in _candidates(kind, device):
@@ -437,22 +444,22 @@ def measure(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice
             rejected[name] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
             continue
         kernels[name] = kernel
-        for rows in _ROW_COUNTS:
-            x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype)
-            seconds[f"{name}@{rows}"] = _time(lambda k=kernel, x=x: k.matmul(x))
+    inputs = {rows: torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype) for rows in _ROW_COUNTS}
+    calls = {f"{name}@{rows}": (lambda k=kernel, x=x: k.matmul(x))
+             for name, kernel in kernels.items() for rows, x in inputs.items()}
+    expandable = {name: kernel for name, kernel in kernels.items() if name != "dequantise" and kernel.dequantise() is not None}
+    calls.update({f"{name}+expand@{rows}": (lambda k=kernel, x=x: F.linear(x, k.dequantise()))
+                  for name, kernel in expandable.items() for rows, x in inputs.items() if rows > 1})
+    seconds = _time_interleaved(calls)
     best = min(kernels, key=lambda name: seconds[f"{name}@1"])
     others = [f"{name} {seconds[f'{best}@1'] / seconds[f'{name}@1']:.2f}x" for name in kernels if name != best]
     why = f"fastest at 1 row ({', '.join(others) or 'only candidate'} its speed)"
     if rejected:
         why += "; not used: " + ", ".join(f"{k} ({v})" for k, v in rejected.items())
     large_rows = None
-    weight_now = kernels[best].dequantise()
-    if best != "dequantise" and weight_now is not None:
+    if best in expandable:
         for rows in _ROW_COUNTS[1:]:
-            x = torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype)
-            expand = _time(lambda k=kernels[best], x=x: F.linear(x, k.dequantise()))
-            seconds[f"expand@{rows}"] = expand
-            if expand < seconds[f"{best}@{rows}"]:
+            if seconds[f"{best}+expand@{rows}"] < seconds[f"{best}@{rows}"]:
                 large_rows = rows
                 why += f"; from {rows} rows dequantise + F.linear is faster"
                 break
