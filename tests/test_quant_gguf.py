@@ -46,10 +46,12 @@ def test_block_codes_equal_ggufs_dequantisation(ggml_type):
     q = decode_blocks(raw, int(ggml_type), (rows, cols))
     bits, group, _ = DECODERS[int(ggml_type)]
     assert q.bits == bits and q.group == group and q.shape == (rows, cols)
+    codes = q.code_values()
+    assert codes.shape == (rows, cols)
     if bits == 4:
-        assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
     else:
-        assert q.codes.dtype == torch.int8
+        assert codes.dtype == torch.int8
     # float32 arithmetic in both; only the order of the multiply-add differs
     torch.testing.assert_close(q.dequantise(), torch.from_numpy(want), rtol=1e-6, atol=1e-6)
 

@@ -144,7 +144,9 @@ def decode_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Gr
     codes, scales, offsets = decode(blocks)
     groups = shape[-1] // group
     codes = np.ascontiguousarray(codes).reshape(*shape)
-    codes_t = torch.from_numpy(codes.astype(np.uint8 if bits == 4 else np.int8, copy=False))
+    if bits == 4:  # two codes a byte, as GroupQuantized keeps them
+        codes = codes[..., 0::2].astype(np.uint8) | (codes[..., 1::2].astype(np.uint8) << 4)
+    codes_t = torch.from_numpy(np.ascontiguousarray(codes).astype(np.uint8 if bits == 4 else np.int8, copy=False))
     scales_t = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(*shape[:-1], groups))
     offsets_t = None
     if offsets is not None:

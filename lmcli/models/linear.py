@@ -36,26 +36,48 @@ GROUP = 32  # values per scale when lmcli quantizes a float weight itself
 # --- the stored form ---------------------------------------------------------------------------------
 
 
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (..., K) -> (..., K/2) bytes, code 2j in the low nibble and 2j+1 in the high one."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(..., K/2) bytes -> (..., K) codes 0..15."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
 @dataclass
 class GroupQuantized:
     """A weight (..., N, K) as integer codes with one scale (and offset) per `group` values of a row.
 
-    value = code * scale + offset; codes are uint8 0..15 when bits == 4, int8 otherwise.
+    value = code * scale + offset. 4-bit codes (0..15) are kept two to a byte (`pack_nibbles`), so
+    `codes` is (..., N, K/2) uint8; other widths are int8 (..., N, K). Row operations (permute,
+    select, split) apply to codes, scales and offsets alike (`map`).
     """
 
-    codes: torch.Tensor  # (..., N, K)
+    codes: torch.Tensor  # (..., N, K/2) uint8 when bits == 4, else (..., N, K) int8
     scales: torch.Tensor  # (..., N, K // group) float32
     offsets: torch.Tensor | None  # (..., N, K // group) float32, or None for 0
     group: int
     bits: int
 
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int,
+                   bits: int) -> GroupQuantized:
+        """From one code per value: uint8 0..15 for 4 bits, int8 otherwise."""
+        return cls(pack_nibbles(codes) if bits == 4 else codes, scales, offsets, group, bits)
+
     @property
     def shape(self) -> torch.Size:
-        return self.codes.shape
+        return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * self.group))
 
     @property
     def kind(self) -> str:
         return f"int{self.bits}"
+
+    def code_values(self) -> torch.Tensor:
+        """One code per value (..., N, K): uint8 0..15 for 4 bits, int8 otherwise."""
+        return unpack_nibbles(self.codes) if self.bits == 4 else self.codes
 
     def map(self, fn) -> GroupQuantized:
         """Apply a row operation (permute, select, move) to codes, scales and offsets alike."""
@@ -70,13 +92,25 @@ class GroupQuantized:
         size = self.codes.shape[0] // chunks
         return [self.map(lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(chunks)]
 
-    def to(self, device: torch.device | str | None = None, **_: Any) -> GroupQuantized:
+    def to(self, *args: Any, device: torch.device | str | None = None, **_: Any) -> GroupQuantized:
+        """Moves to `device`; a dtype is ignored (the activation dtype is chosen when a kernel is built)."""
+        device = next((a for a in args if isinstance(a, (str, torch.device))), device)
         return self if device is None else self.map(lambda t: t.to(device))
+
+    def clone(self) -> GroupQuantized:
+        return self.map(torch.clone)
+
+    def contiguous(self) -> GroupQuantized:
+        return self.map(lambda t: t.contiguous())
+
+    def t(self) -> torch.Tensor:
+        """Transposed, groups would run down the columns, which no kernel takes: the float weight (K, N)."""
+        return self.dequantise().t()
 
     def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight (..., N, K) in `dtype` (computed in float32)."""
-        *lead, k = self.codes.shape
-        grouped = self.codes.float().reshape(*lead, k // self.group, self.group)  # (..., N, G, group)
+        *lead, k = self.shape
+        grouped = self.code_values().float().reshape(*lead, k // self.group, self.group)  # (..., N, G, group)
         values = grouped * self.scales[..., None]
         if self.offsets is not None:
             values = values + self.offsets[..., None]
@@ -91,7 +125,7 @@ class GroupQuantized:
             low, high = w.amin(-1), w.amax(-1)
             scales = ((high - low) / 15).clamp(min=1e-12)
             codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-            return GroupQuantized(codes.reshape(weight.shape), scales, low, group, 4)
+            return GroupQuantized.from_codes(codes.reshape(weight.shape), scales, low, group, 4)
         scales = (w.abs().amax(-1) / 127).clamp(min=1e-12)
         codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
         return GroupQuantized(codes.reshape(weight.shape), scales, None, group, 8)
@@ -195,21 +229,22 @@ class DequantiseKernel(Kernel):
     """Codes, scales and offsets as loaded (4-bit codes two to a byte); expanded on every call."""
 
     name = "dequantise"
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
 
     def __init__(self, q: GroupQuantized, dtype: torch.dtype):
-        super().__init__(*q.shape, dtype=dtype)
+        n, k = q.shape
+        super().__init__(n, k, dtype)
         self.bits, self.group = q.bits, q.group
-        codes = q.codes
-        if q.bits == 4:  # byte j holds codes 2j (low nibble) and 2j+1
-            codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
-        self.register_buffer("codes", codes.contiguous(), persistent=False)
+        self.register_buffer("codes", q.codes.contiguous(), persistent=False)  # 4-bit: two codes a byte
         self.register_buffer("scales", q.scales.to(dtype), persistent=False)
         offsets = q.offsets.to(dtype) if q.offsets is not None else None
         self.register_buffer("offsets", offsets, persistent=False)
 
     def _expand(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
         if self.bits == 4:
-            codes = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)  # (R, K)
+            codes = unpack_nibbles(codes)  # (R, K)
         rows = codes.shape[0]
         grouped = codes.to(self.dtype).view(rows, -1, self.group) * scales[..., None]  # (R, G, group)
         if offsets is not None:
@@ -240,12 +275,15 @@ class Int4PackKernel(Kernel):
     multiplied together and summed: (M, 2N) -> (M, N).
     """
 
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
     def __init__(self, q: GroupQuantized, dtype: torch.dtype, device: torch.device | str = "cpu"):
         n, k = q.shape
         super().__init__(n, k, dtype)
         self.pair = q.bits == 8
         self.name = "int4pair" if self.pair else "int4pack"
-        self.group, self.cuda = q.group, torch.device(device).type == "cuda"
+        self.group, self.on_cuda = q.group, torch.device(device).type == "cuda"
         if self.pair:
             unsigned = q.codes.to(torch.int16) + 128  # (N, K) 0..255
             codes = torch.cat((unsigned >> 4, unsigned & 15))  # (2N, K): high nibbles, then low
@@ -256,21 +294,21 @@ class Int4PackKernel(Kernel):
             sz = torch.stack((scales, torch.cat((torch.zeros_like(q.scales), 8 * q.scales + offsets))), -1)
             sz = sz.transpose(0, 1).contiguous().to(dtype)
         else:
-            codes, sz = q.codes, _int4_scales_and_zeros(q.scales, q.offsets, dtype)
+            codes, sz = q.code_values(), _int4_scales_and_zeros(q.scales, q.offsets, dtype)
         self.rows_stored = codes.shape[0]
         codes = codes.to(device)
-        if self.cuda:  # tinygemm takes two codes per byte, the even one high
+        if self.on_cuda:  # tinygemm takes two codes per byte, the even one high
             packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", sz.to(device), persistent=False)
-        self.layout = None if self.cuda else cpu_pack_layout()
+        self.layout = None if self.on_cuda else cpu_pack_layout()
         if self.layout is not None and not self.layout.fits(self.rows_stored):
             self.layout = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cuda:
+        if self.on_cuda:
             y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
@@ -334,9 +372,9 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """nn.Embedding over a quantized matrix: gather the rows, dequantise only those."""
 
-    def __init__(self, kernel: Kernel):
+    def __init__(self, kernel: Kernel, large_rows: int | None = None):
         super().__init__()
-        self.kernel = kernel
+        self.kernel, self.large_rows = kernel, large_rows  # large_rows: for a head tied to this matrix
         self.num_embeddings, self.embedding_dim = kernel.n, kernel.k
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -534,12 +572,11 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(owner) if owner else model), leaf
 
 
-def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], biases: dict[str, torch.Tensor],
-                      dtype: torch.dtype, device: torch.device) -> dict[str, KernelChoice]:
+def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], dtype: torch.dtype,
+                      device: torch.device) -> dict[str, KernelChoice]:
     """Replace the nn.Linear / nn.Embedding owning each `<module>.weight` in `weights` by its quantized
     counterpart; a tied head (`lm_head` with no weight of its own) shares the embedding's kernel.
 
-    `biases` are the float biases of those linears (taken out of the float tensors by the caller).
     Returns the kernel choice per weight format, for reports.
     """
     choices: dict[str, KernelChoice] = {}
@@ -552,24 +589,28 @@ def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], bias
         kernel_name = choice.kernel
         if q.group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
             kernel_name = "dequantise"
-        kernel = build_kernel(kernel_name, q, dtype, device)
+        try:
+            kernel = build_kernel(kernel_name, q, dtype, device)
+        except RuntimeError:  # a shape torch's packing refuses (rows not a multiple of its block, ...)
+            kernel_name = "dequantise"
+            kernel = build_kernel(kernel_name, q, dtype, device)
+        large_rows = choice.large_rows if kernel_name == choice.kernel else None
         if isinstance(old, nn.Embedding):
             if kernel.rows(torch.zeros(1, dtype=torch.long, device=device)) is None:
                 kernel = build_kernel("dequantise", q, dtype, device)
-            setattr(parent, leaf, QuantEmbedding(kernel))
+            setattr(parent, leaf, QuantEmbedding(kernel, large_rows))
         else:
-            large_rows = choice.large_rows if kernel_name == choice.kernel else None
-            setattr(parent, leaf, QuantLinear(kernel, biases.get(f"{module_path}.bias"), large_rows))
+            bias = None if old.bias is None else torch.empty(old.out_features, dtype=dtype, device=device)
+            setattr(parent, leaf, QuantLinear(kernel, bias, large_rows))  # the bias is filled by name later
     return choices
 
 
 def tie_quantized_head(model: nn.Module) -> bool:
     """If the embedding is quantized, make the head a QuantLinear over the same kernel. True if done."""
-    embedding = model.model.embed_tokens
+    embedding: Any = model.get_submodule("model.embed_tokens")
     if not isinstance(embedding, QuantEmbedding):
         return False
-    choice = next((c for c in getattr(model, "kernel_choices", {}).values() if c.kernel == embedding.kernel.name), None)
-    model.lm_head = QuantLinear(embedding.kernel, None, choice.large_rows if choice else None)
+    model.lm_head = QuantLinear(embedding.kernel, None, embedding.large_rows)
     return True
 
 
