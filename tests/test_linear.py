@@ -93,6 +93,7 @@ def test_pack_layout_reads_back_what_torch_packed():
     codes = torch.randint(0, 16, (2 * layout.block, 64), dtype=torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
     assert torch.equal(layout.unpack(packed, *codes.shape), codes.to(torch.uint8))
+    assert torch.equal(layout.pack(codes.to(torch.uint8)), packed)
     rows = torch.tensor([1, layout.block + 5, 0])
     assert torch.equal(layout.unpack_rows(packed, *codes.shape, rows), codes[rows].to(torch.uint8))
 

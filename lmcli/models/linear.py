@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +45,16 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """(..., K/2) bytes -> (..., K) codes 0..15."""
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _unpack_nibbles_numpy(packed: torch.Tensor) -> torch.Tensor:
+    """unpack_nibbles for a (N, K/2) CPU tensor, several times faster through numpy at load."""
+    if packed.device.type != "cpu":
+        return unpack_nibbles(packed)
+    b = packed.numpy()
+    codes = np.empty((*b.shape[:-1], 2 * b.shape[-1]), dtype=np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = b & 15, b >> 4
+    return torch.from_numpy(codes)
 
 
 @dataclass
@@ -160,6 +171,15 @@ class PackLayout:
 
     def fits(self, n: int) -> bool:
         return n % self.block == 0
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """(N, K) codes 0..15 -> (N, K/2) bytes in this layout: what torch's packing makes, in
+        cheap byte operations (numpy) rather than through int32."""
+        n, k = codes.shape
+        c = codes.numpy().reshape(n // self.block, self.block, k)[:, list(self.rows)]  # (NB, pos, K)
+        c = c.transpose(0, 2, 1)  # (NB, K, pos)
+        packed = c[..., 0::2] | (c[..., 1::2] << 4)  # (NB, K, block/2), low nibble first
+        return torch.from_numpy(np.ascontiguousarray(packed).reshape(n, k // 2))
 
     def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
         """(N, K/2) packed bytes -> (N, K) codes."""
@@ -285,7 +305,7 @@ class Int4PackKernel(Kernel):
         self.name = "int4pair" if self.pair else "int4pack"
         self.group, self.on_cuda = q.group, torch.device(device).type == "cuda"
         if self.pair:
-            unsigned = q.codes.to(torch.int16) + 128  # (N, K) 0..255
+            unsigned = (q.codes.view(torch.uint8) ^ 0x80)  # (N, K) code + 128, 0..255
             codes = torch.cat((unsigned >> 4, unsigned & 15))  # (2N, K): high nibbles, then low
             offsets = torch.zeros_like(q.scales) if q.offsets is None else q.offsets
             scales = torch.cat((16 * q.scales, q.scales))
@@ -294,18 +314,20 @@ class Int4PackKernel(Kernel):
             sz = torch.stack((scales, torch.cat((torch.zeros_like(q.scales), 8 * q.scales + offsets))), -1)
             sz = sz.transpose(0, 1).contiguous().to(dtype)
         else:
-            codes, sz = q.code_values(), _int4_scales_and_zeros(q.scales, q.offsets, dtype)
+            codes, sz = _unpack_nibbles_numpy(q.codes), _int4_scales_and_zeros(q.scales, q.offsets, dtype)
         self.rows_stored = codes.shape[0]
-        codes = codes.to(device)
+        self.layout = None if self.on_cuda else cpu_pack_layout()
+        if self.layout is not None and not self.layout.fits(self.rows_stored):
+            self.layout = None
         if self.on_cuda:  # tinygemm takes two codes per byte, the even one high
+            codes = codes.to(device)
             packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
+        elif self.layout is not None:
+            packed = self.layout.pack(codes.contiguous())
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", sz.to(device), persistent=False)
-        self.layout = None if self.on_cuda else cpu_pack_layout()
-        if self.layout is not None and not self.layout.fits(self.rows_stored):
-            self.layout = None
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
@@ -574,13 +596,14 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
 
 def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], dtype: torch.dtype,
                       device: torch.device) -> dict[str, KernelChoice]:
-    """Replace the nn.Linear / nn.Embedding owning each `<module>.weight` in `weights` by its quantized
-    counterpart; a tied head (`lm_head` with no weight of its own) shares the embedding's kernel.
+    """Replace the nn.Linear / nn.Embedding owning each `<module>.weight` in `weights` (emptied on the
+    way) by its quantized counterpart; a tied head (`lm_head` with no weight of its own) shares the embedding's kernel.
 
     Returns the kernel choice per weight format, for reports.
     """
     choices: dict[str, KernelChoice] = {}
-    for name, q in weights.items():
+    while weights:  # consumed one at a time, so each one's codes go once its kernel is built
+        name, q = weights.popitem()
         module_path = name.removesuffix(".weight")
         parent, leaf = _parent(model, module_path)
         old = getattr(parent, leaf)
