@@ -70,12 +70,32 @@ def _uninitialised_parameters():
             cls.reset_parameters = reset
 
 
-def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None):
-    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None)."""
+QUANTIZE_CHOICES = ("none", "int4", "int8")
+
+
+def _quantizable_names(model: nn.Module) -> set[str]:
+    """The weights `--quantize` applies to: every linear layer and the token embedding, but not a
+    mixture-of-experts router (small, and its choice of expert is sensitive to rounding)."""
+    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return {n for n in names if not n.endswith("block_sparse_moe.gate.weight")} | {"model.embed_tokens.weight"}
+
+
+def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=None, device=None,
+         quantize: str | None = None):
+    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+
+    quantize: None keeps a GGUF file's own quantization (Q4_0/Q4_1/Q4_K -> int4, Q8_0/Q5_x/Q6_K -> int8)
+    and loads other checkpoints as they are; "none" dequantises everything to `dtype`; "int4" / "int8"
+    quantizes the float weights at load (group-wise, round to nearest). `dtype` is the activation
+    dtype; None or "auto" picks the fastest measured one for quantized weights on this device.
+    """
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
+    from lmcli.models.linear import GroupQuantized, install_quantized, preferred_dtype, quantize_weights
 
+    if quantize not in (None, *QUANTIZE_CHOICES):
+        raise UsageError(f"--quantize {quantize}: unknown (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(device)
     tokenizer = None
     origin: dict[str, Path] = {}
@@ -90,13 +110,20 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     path = Path(checkpoint).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    # Quantized weights stay quantized (a GGUF file's own, or --quantize's); the activation dtype
+    # is then chosen after reading, from what the weights' kernels measure fastest with.
+    quantized_load = quantize in ("int4", "int8") or (quantize is None and path.suffix == ".gguf")
 
     if path.suffix == ".gguf":
         from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
 
-        # GGUF weights are quantised or float: `auto` is decided by the device alone.
-        gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
+        if quantized_load:  # read as float32 / quantized blocks; cast once the activation dtype is known
+            from lmcli.io.gguf import read_gguf
+
+            gguf = read_gguf(path, torch.float32, keep_quantized=quantize is None)
+        else:  # GGUF weights are quantised or float: `auto` is decided by the device alone.
+            gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
         config = registry.config_from_hf(gguf.hf_config, model)
         tensors = gguf.tensors
         tokenizer = tokenizer_from_gguf(gguf.metadata)
@@ -129,7 +156,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         else:
             raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
         config = registry.config_from_hf(hf_config, model)
-        target_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+        target_dtype = torch.float32 if quantized_load else resolve_dtype(dtype, device, config.torch_dtype)
         tensors, origin = read_safetensors(files, target_dtype)
         source = str(files[0]) if len(files) == 1 else str(path)
         from lmcli.io.tokenizer import load_tokenizer
@@ -141,6 +168,21 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         tensors = module.convert_checkpoint(tensors, config)
     with _uninitialised_parameters():
         built = BaseModel(config)
+    built.kernel_choices = {}
+    if quantized_load:
+        if quantize in ("int4", "int8"):
+            tensors = quantize_weights(tensors, quantize, _quantizable_names(built))
+        quantized = {name: t for name, t in tensors.items() if isinstance(t, GroupQuantized)}
+        kinds = [q.kind for q in quantized.values()]
+        if dtype is None or str(dtype) == "auto":
+            activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
+        else:
+            activation = resolve_dtype(dtype, device)
+        for name in quantized:
+            del tensors[name]
+        built.kernel_choices = install_quantized(built, quantized, activation, device)
+        del quantized
+        tensors = {name: t.to(activation) if t.is_floating_point() else t for name, t in tensors.items()}
     tensors = {name: t.to(device=device) for name, t in tensors.items()}
     fill_model(built, tensors, source, origin)
     built.use_fast_layout()
