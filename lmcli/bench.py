@@ -344,7 +344,7 @@ def _measure_engines(settings: BenchSettings, workers: list[Worker], progress) -
         if worker.failure is not None:
             engines[worker.name] = {"unavailable": worker.failure}
             continue
-        figures.update({k: worker.ready[k] for k in ("load_s", "weight_bytes", "activation_dtype", "kernels")})
+        figures.update({k: v for k, v in worker.ready.items() if k != "ready"})
         prefill = replies[(worker.name, "prefill")]
         error = _first_error(prefill)
         if error is None:
@@ -368,10 +368,10 @@ def _measure_engines(settings: BenchSettings, workers: list[Worker], progress) -
 
 def _add_ratios(engines: dict[str, dict[str, Any]]) -> None:
     """Each lmcli format's speed as a multiple of transformers' and llama.cpp's (higher is faster)."""
-    keys = [k for k in ("prefill_tokens_per_s", "decode_b1_tokens_per_s", "decode_b8_tokens_per_s")]
     for name, figures in engines.items():
         if not name.startswith("lmcli"):
             continue
+        keys = [k for k in figures if k.endswith("_tokens_per_s")]
         for other in ("transformers", "llama.cpp"):
             theirs = engines.get(other, {})
             ratios = {key: figures[key] / theirs[key] for key in keys if key in figures and theirs.get(key)}
@@ -497,10 +497,13 @@ def print_report(results: dict[str, Any], console=None) -> None:
         )
     console.print(table)
     for name, figures in results["engines"].items():
-        for kind, count in figures.get("kernels", {}).get("layers", {}).items():
-            why = figures["kernels"].get("why", {}).get(kind)
-            console.print(f"  {_label(name, figures, results)}: {count} x {kind}" + (f" — {why}" if why else ""),
-                          highlight=False)
+        kernels = figures.get("kernels", {})
+        stored = ", ".join(f"{kind} {count / 1e6:,.1f}M" for kind, count in kernels.get("weights", {}).items()
+                           if count > 1)
+        if stored:
+            console.print(f"  {_label(name, figures, results)} weights: {stored}", highlight=False)
+        for why in kernels.get("why", {}).values():
+            console.print(f"    kernel {why}", highlight=False)
     identical = results["greedy_identical_lmcli_float_vs_transformers"]
     if identical is not None:
         console.print(f"greedy tokens identical (lmcli {results['float_dtype']} vs transformers): "

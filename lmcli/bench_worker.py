@@ -37,22 +37,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def weight_kernels(model: torch.nn.Module) -> dict[str, Any]:
-    """How the model's weights are stored and multiplied: counts per storage kind, and the kernel choice
-    with its reason where models/linear.py records one."""
-    kinds: dict[str, int] = {}
-    choices: dict[str, str] = {}
-    for module in model.modules():
-        describe = getattr(module, "describe_kernel", None)
-        if callable(describe):
-            kind, reason = describe()
-            kinds[kind] = kinds.get(kind, 0) + 1
-            choices.setdefault(kind, reason)
-        elif isinstance(module, torch.nn.Linear):
-            kind = f"{str(module.weight.dtype).removeprefix('torch.')} F.linear"
-            kinds[kind] = kinds.get(kind, 0) + 1
-            choices.setdefault(kind, "float weights")
-    return {"layers": kinds, "why": choices}
+def weight_kernels(model: Any) -> dict[str, Any]:
+    """How the model's weights are stored and multiplied: weights per stored form, and for each quantized
+    format the kernel models/linear.py chose on this machine and why (its measurement)."""
+    formats = model.weight_formats() if hasattr(model, "weight_formats") else {}
+    choices = getattr(model, "kernel_choices", None) or {}
+    return {"weights": formats, "why": {kind: choice.describe() for kind, choice in choices.items()}}
 
 
 class LmcliEngine:
@@ -76,8 +66,7 @@ class LmcliEngine:
         self.vocab_size = self.model.config.vocab_size
 
     def facts(self) -> dict[str, Any]:
-        weights = sum(t.numel() * t.element_size() for t in [*self.model.parameters(), *self.model.buffers()])
-        return {"weight_bytes": weights, "activation_dtype": str(self.model.dtype).removeprefix("torch."),
+        return {"activation_dtype": str(self.model.dtype).removeprefix("torch."),
                 "kernels": weight_kernels(self.model)}
 
     def generate(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
@@ -126,9 +115,9 @@ class TransformersEngine:
         self.vocab_size = self.model.config.get_text_config().vocab_size
 
     def facts(self) -> dict[str, Any]:
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return {"weight_bytes": weights, "activation_dtype": str(self.model.dtype).removeprefix("torch."),
-                "kernels": {"layers": {"nn.Linear (transformers)": 1}, "why": {}}}
+        weights = sum(p.numel() for p in self.model.parameters())
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return {"activation_dtype": dtype, "kernels": {"weights": {f"{dtype} nn.Linear": weights}, "why": {}}}
 
     def generate(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
         from transformers import StoppingCriteria
@@ -166,8 +155,8 @@ class LlamaCppEngine:
         self.vocab_size = self.llm.n_vocab()
 
     def facts(self) -> dict[str, Any]:
-        return {"weight_bytes": Path(self.llm.model_path).stat().st_size, "activation_dtype": "llama.cpp",
-                "kernels": {"layers": {"ggml (native blocks)": 1}, "why": {}}, "version": self.lib.__version__}
+        return {"activation_dtype": "llama.cpp",
+                "kernels": {"weights": {}, "why": {}}, "version": self.lib.__version__}
 
     def generate(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
         import numpy as np
