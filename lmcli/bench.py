@@ -58,7 +58,7 @@ def _measure(generate_n, max_new_tokens: int, rows: int, prompt_tokens: int, rep
 
 def main(checkpoint: str | None = None, model: str | None = None, device: str = "auto", dtype: str = "auto",
          max_new_tokens: int = 32, batch_size: int = 1, prompt_tokens: int = 32, repeats: int = 2,
-         reference: bool = True) -> dict:
+         reference: bool = True, quantize: str | None = None) -> dict:
     from rich.console import Console
     from rich.table import Table
 
@@ -72,7 +72,7 @@ def main(checkpoint: str | None = None, model: str | None = None, device: str = 
         checkpoint = default_checkpoint_path()
     path = Path(checkpoint)
     torch_device = resolve_device(device)
-    ours, _ = lmcli.load(path, model=model, dtype=dtype, device=torch_device)
+    ours, _ = lmcli.load(path, model=model, dtype=dtype, device=torch_device, quantize=quantize)
     torch_dtype = ours.dtype if dtype == "auto" else resolve_dtype(dtype, torch_device)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, ours.config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(torch_device)

@@ -41,6 +41,12 @@ class DType(str, enum.Enum):
     float16 = "float16"
 
 
+class Quantize(str, enum.Enum):
+    none = "none"
+    int4 = "int4"
+    int8 = "int8"
+
+
 class OutputFormat(str, enum.Enum):
     text = "text"
     jsonl = "jsonl"
@@ -148,11 +154,21 @@ ModelOption = Annotated[
 ]
 DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
 DTypeOption = Annotated[
-    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Weight dtype (auto: float32 on CPU).")
+    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL,
+                        help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
+]
+QuantizeOption = Annotated[
+    Quantize | None,
+    typer.Option(
+        "--quantize", "-q", show_default=False, rich_help_panel=MODEL_PANEL,
+        help="Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
+             "Default: a GGUF file's own quantization, other checkpoints as stored.",
+    ),
 ]
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
+def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
+          quantize: Quantize | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -166,6 +182,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             model=model,
             dtype=dtype.value,
             device=device.value,
+            quantize=quantize.value if quantize is not None else None,
         )
     if tokenizer is None and need_tokenizer:
         raise TokenizerError(
@@ -198,6 +215,7 @@ def generate(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
     ] = DEFAULT_MAX_NEW_TOKENS,
@@ -307,7 +325,7 @@ def generate(
     )
 
     def load():
-        return _load(checkpoint, model, device, dtype)
+        return _load(checkpoint, model, device, dtype, quantize=quantize)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -479,18 +497,22 @@ def info(
         typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
     ] = None,
     model: ModelOption = None,
+    quantize: QuantizeOption = None,
 ) -> None:
-    """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
+    """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
+    from lmcli.default_model import describe_weights
+
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
     config = loaded.config
-    parameters = sum(p.numel() for p in loaded.parameters())
-    dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
+    parameters = loaded.num_parameters()
+    dtype = str(loaded.dtype).removeprefix("torch.")
     window = getattr(config, "sliding_window", None)
     facts = [
         ("checkpoint", str(checkpoint)),
         ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
         ("parameters", f"{_human(parameters)} ({parameters:,})"),
         ("dtype", dtype),
+        ("weights", describe_weights(loaded)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
         ("layers", str(config.num_hidden_layers)),
@@ -506,6 +528,7 @@ def info(
         checkpoint = Path(default_checkpoint_path())
         facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
     facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
+    facts.extend(_quantization_facts(checkpoint, loaded))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -519,6 +542,19 @@ def info(
     for key, value in facts:
         table.add_row(key, value)
     Console().print(table)
+
+
+def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
+    """The file's own quantization (GGUF), the kernels chosen for it and why, what the cache holds."""
+    from lmcli.default_model import describe_cache, gguf_tensor_types
+
+    facts = []
+    if checkpoint.suffix == ".gguf":
+        facts.append(("file quantization", gguf_tensor_types(checkpoint)))
+    for kind, choice in getattr(loaded, "kernel_choices", {}).items():
+        facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
+    facts.append(("cache", describe_cache(checkpoint)))
+    return facts
 
 
 @app.command()
@@ -584,6 +620,7 @@ def bench(
     model: ModelOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
     max_new_tokens: Annotated[
         int | None, typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
     ] = None,
@@ -598,6 +635,7 @@ def bench(
         model=model,
         device=device.value,
         dtype=dtype.value,
+        quantize=quantize.value if quantize is not None else None,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
         prompt_tokens=prompt_tokens,

@@ -168,7 +168,6 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         tensors = module.convert_checkpoint(tensors, config)
     with _uninitialised_parameters():
         built = BaseModel(config)
-    built.kernel_choices = {}
     if quantized_load:
         if quantize in ("int4", "int8"):
             tensors = quantize_weights(tensors, quantize, _quantizable_names(built))

@@ -102,19 +102,20 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
     monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
     choice = linear.kernel_plan("int8", torch.bfloat16)
     assert choice.kernel in KERNELS[8] and f"{choice.kernel}@1" in choice.seconds and choice.why
     stored = json.loads((tmp_path / "kernels.json").read_text())
-    assert [entry["kernel"] for machine in stored.values() for entry in machine.values()] == [choice.kernel]
-    linear._cached_plan.cache_clear()
+    (machine,) = stored.values()
+    assert machine["int8|bfloat16,float32"]["bfloat16"]["kernel"] == choice.kernel
+    linear._cached_plans.cache_clear()
 
     def must_not_measure(*args):
         raise AssertionError("measured again despite the cache")
 
     monkeypatch.setattr(linear, "measure", must_not_measure)
     assert linear.kernel_plan("int8", torch.bfloat16) == choice
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
 
 
 # --- --quantize on a float checkpoint, end to end ---------------------------------------------------
@@ -126,9 +127,9 @@ def quick_plans(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
     monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
     yield
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
 
 
 @pytest.mark.parametrize("case", ["llama-mha-tied-bias", "gpt2", "mixtral"])
@@ -137,8 +138,9 @@ def test_quantize_at_load_equals_transformers_with_the_same_rounded_weights(case
                                                                             one_thread):
     """lmcli.load(quantize=...) against transformers whose weights were rounded the same way (float32)."""
     pytest.importorskip("transformers")
-    import lmcli
     from tiny import prompts, save_reference
+
+    import lmcli
 
     reference = save_reference(case, tmp_path / case)
     model, _ = lmcli.load(tmp_path / case, quantize=kind, dtype="float32")

@@ -73,6 +73,7 @@ class BaseModel(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self.eval()
 
