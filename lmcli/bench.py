@@ -38,7 +38,7 @@ def _reference_model(checkpoint: Path, dtype: torch.dtype, device: torch.device)
         return None, "transformers needs an HF directory or a .gguf file"
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, **kwargs)
     model.generation_config.eos_token_id = None  # always generate the full length, as lmcli is asked to
-    return model.to(device).eval(), None
+    return model.to(device).eval(), None  # type: ignore[arg-type]  # transformers' stubs type `to` as a decorator
 
 
 def _measure(generate_n, max_new_tokens: int, rows: int, prompt_tokens: int, repeats: int):
@@ -66,11 +66,9 @@ def main(checkpoint: str | None = None, model: str | None = None, device: str = 
     from lmcli.loading import resolve_device, resolve_dtype
 
     console = Console(file=sys.stdout)
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
+    from lmcli.default_model import default_checkpoint_path
 
-        checkpoint = default_checkpoint_path()
-    path = Path(checkpoint)
+    path = Path(checkpoint) if checkpoint is not None else default_checkpoint_path()
     torch_device = resolve_device(device)
     ours, _ = lmcli.load(path, model=model, dtype=dtype, device=torch_device, quantize=quantize)
     torch_dtype = ours.dtype if dtype == "auto" else resolve_dtype(dtype, torch_device)

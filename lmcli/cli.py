@@ -8,22 +8,19 @@ Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
 from lmcli.errors import LmcliError, TokenizerError, UsageError
-from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
-
-try:  # typer >= 0.2x ships its own copy of click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as click_exceptions
+from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 _debug = False  # set by --debug (anywhere on the command line); shows tracebacks
 
@@ -55,7 +52,8 @@ class OutputFormat(str, enum.Enum):
 class _LmcliGroup(TyperGroup):
     """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         global _debug
         args = list(sys.argv[1:] if args is None else args)
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
@@ -63,31 +61,37 @@ class _LmcliGroup(TyperGroup):
         _debug = "--debug" in args[:end]
         args = [a for a in args[:end] if a != "--debug"] + args[end:]
         try:
-            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
-        except click_exceptions.NoArgsIsHelpError as e:
-            typer.echo(e.format_message())
-            code = 0
-        except click_exceptions.UsageError as e:
-            code = _fail(_click_usage_line(e), e.exit_code)
-        except click_exceptions.ClickException as e:
-            code = _fail(e.format_message(), e.exit_code)
+            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
+                               windows_expand_args=windows_expand_args, **extra)
         except typer.Abort:
             code = _fail("aborted", 1)
         except LmcliError as e:
             code = _fail(str(e), e.exit_code)
-        except Exception as e:  # a bug in lmcli: say so in one line; --debug shows where
-            code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+        except Exception as e:
+            code = _click_exception_code(e)
+            if code is None:  # a bug in lmcli: say so in one line; --debug shows where
+                code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
 
 
-def _click_usage_line(e) -> str:
-    message = " ".join(e.format_message().split())
-    if e.ctx is not None:
-        message += f" (see '{e.ctx.command_path} --help')"
-    return message
+def _click_exception_code(e: Exception) -> int | None:
+    """The exit code for one of click's exceptions (a usage error, ...), after saying what it is; None
+    for anything else. Recognised by click's exception interface (`exit_code`, `format_message`), since
+    Typer raises them from its private copy of click and older Typers from click itself."""
+    exit_code, format_message = getattr(e, "exit_code", None), getattr(e, "format_message", None)
+    if not isinstance(exit_code, int) or format_message is None:
+        return None
+    if type(e).__name__ == "NoArgsIsHelpError":  # `lmcli` alone: the help, which is no error
+        typer.echo(format_message())
+        return 0
+    message = " ".join(format_message().split())
+    context = getattr(e, "ctx", None)  # usage errors know the command they are about
+    if context is not None:
+        message += f" (see '{context.command_path} --help')"
+    return _fail(message, exit_code)
 
 
 def _fail(message: str, code: int) -> int:
@@ -176,7 +180,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
 
     console = Console(stderr=True)
     where = str(checkpoint) if checkpoint is not None else "the default model"
-    with console.status(f"loading {where}…") if console.is_terminal else _nothing():
+    with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
         loaded, tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
             model=model,
@@ -189,14 +193,6 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
         )
     return loaded, tokenizer
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------- generate
@@ -304,7 +300,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import GenerationSettings
+    from lmcli.settings import GenerationSettings
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -365,16 +361,12 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
-
-
 def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
     import json
 
-    from rich.console import Console
-
-    from lmcli.jobs import RowError, generate_batch, prepare_row, require_chat_template
-    from lmcli.streaming import PlainOutput, TerminalOutput
+    from lmcli.console import PlainOutput, TerminalOutput, print_dim, row_summary
+    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
+    from lmcli.settings import RowError
 
     model, tokenizer = load()
     if settings.chat:
@@ -411,24 +403,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     elif terminal:
         output.end()
     if stats or (terminal and output is not None):
-        Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False, soft_wrap=True)
-
-
-def _summary(result) -> str:
-    tokens = len(result.tokens)
-    seconds = max((result.finished_at or result.started) - result.started, 1e-9)
-    parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s"]
-    if result.first_token_at is not None:
-        parts.append(f"{(result.first_token_at - result.started) * 1000:.0f} ms to first token")
-    parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
-    if result.row.seed is not None:
-        parts.append(f"seed {result.row.seed}")
-    return " · ".join(parts)
+        print_dim(row_summary(result))
 
 
 def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
-    from rich.console import Console
-
+    from lmcli.console import job_summary, print_dim
     from lmcli.jobs import run_job
 
     try:
@@ -440,12 +419,7 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
     if output_path is not None or stats:
-        parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
-        if report.skipped:
-            parts.append(f"{report.skipped} already done")
-        parts.append(f"{report.tokens} tokens")
-        parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
-        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
+        print_dim(job_summary(report, output_path))
     if report.failed:
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
 
@@ -460,13 +434,9 @@ def models() -> None:
 
     rows = []
     for name in registry.list_presets():
-        config = registry.preset_config(name) or {}
-        arch = registry.MODEL_TYPES.get(config.get("model_type"), config.get("model_type", "?"))
-        # gpt2's config.json spells the sizes its own way
-        layers = config.get("num_hidden_layers", config.get("n_layer"))
-        hidden = config.get("hidden_size", config.get("n_embd"))
-        context = config.get("max_position_embeddings", config.get("n_positions"))
-        rows.append((name, arch, _count(layers), _count(hidden), _count(context)))
+        config = registry.config_from_hf(registry.preset_config(name) or {})
+        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
+        rows.append((name, config.architecture, *map(str, sizes)))
     architectures = ", ".join(registry.list_architectures())
     if not sys.stdout.isatty():
         typer.echo(f"architectures\t{architectures}")
@@ -479,15 +449,13 @@ def models() -> None:
     console = Console()
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME)", title_justify="left")
-    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"), ("context", "right")):
-        table.add_column(column, justify=justify)
+    for column in ("preset", "architecture"):
+        table.add_column(column)
+    for column in ("layers", "hidden", "context"):
+        table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-
-
-def _count(value) -> str:
-    return "" if value is None else str(value)
 
 
 @app.command()
@@ -506,10 +474,10 @@ def info(
     config = loaded.config
     parameters = loaded.num_parameters()
     dtype = str(loaded.dtype).removeprefix("torch.")
-    window = getattr(config, "sliding_window", None)
+    window = config.sliding_window
     facts = [
         ("checkpoint", str(checkpoint)),
-        ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
+        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{_human(parameters)} ({parameters:,})"),
         ("dtype", dtype),
         ("weights", describe_weights(loaded)),
@@ -517,10 +485,10 @@ def info(
         ("sliding window", f"{window:,} tokens" if window else "none"),
         ("layers", str(config.num_hidden_layers)),
         ("hidden size", str(config.hidden_size)),
-        ("heads", f"{getattr(config, 'num_attention_heads', '?')} (kv {getattr(config, 'num_key_value_heads', '?')})"),
+        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
         ("vocabulary", f"{config.vocab_size:,}"),
         ("tokenizer", _describe_tokenizer(tokenizer)),
-        ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
+        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
@@ -583,14 +551,11 @@ def convert(
 def _describe_tokenizer(tokenizer) -> str:
     if tokenizer is None:
         return "none (text cannot be encoded)"
-    backend = getattr(tokenizer, "backend", None)
-    kind = type(backend.model).__name__ if backend is not None else type(tokenizer).__name__
-    parts = [f"{kind}, {getattr(tokenizer, 'vocab_size', '?'):,} tokens"]
-    if getattr(tokenizer, "add_bos_token", False):
+    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
+    if tokenizer.add_bos_token:
         parts.append("adds BOS")
-    eos = getattr(tokenizer, "eos_token_ids", None)
-    if eos:
-        parts.append(f"EOS ids {', '.join(map(str, eos))}")
+    if tokenizer.eos_token_ids:
+        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
     return "; ".join(parts)
 
 
@@ -630,7 +595,7 @@ def bench(
     """Benchmark generation speed (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
 
-    options = dict(
+    options: dict[str, Any] = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         model=model,
         device=device.value,
