@@ -241,7 +241,7 @@ def _native_format(path: Path) -> str | None:
     """The GGUF's quantization as llama.cpp names it (general.file_type), e.g. 'Q4_1'; None if not a GGUF."""
     if path.suffix != ".gguf":
         return None
-    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.gguf_reader import read_gguf_metadata
 
     file_type = read_gguf_metadata(path).get("general.file_type")
     try:

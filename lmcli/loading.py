@@ -62,12 +62,12 @@ def _uninitialised_parameters():
     the meta device does the same but spends seconds importing torch's meta kernels.)"""
     saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding, nn.LayerNorm)}
     for cls in saved:
-        cls.reset_parameters = lambda self: None
+        cls.reset_parameters = lambda self: None  # type: ignore[method-assign]  # undone below
     try:
         yield
     finally:
         for cls, reset in saved.items():
-            cls.reset_parameters = reset
+            cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
 QUANTIZE_CHOICES = ("none", "int4", "int8")
@@ -131,10 +131,11 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
     else:
         if path.is_dir():
             config_path = path / "config.json"
+            preset = registry.preset_config(model) if model is not None else None
             if config_path.is_file():
                 hf_config = _read_config_json(config_path)
-            elif model is not None and registry.preset_config(model) is not None:
-                hf_config = registry.preset_config(model)
+            elif preset is not None:
+                hf_config = preset
             else:
                 raise CheckpointError(f"{path}: no config.json (pass --model with a preset name to supply one)")
             files = safetensors_files(path)
@@ -142,11 +143,12 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         elif path.suffix == ".safetensors":
             beside = path.parent / "config.json"
             if model is not None:
-                hf_config = registry.preset_config(model)
-                if hf_config is None:
+                preset = registry.preset_config(model)
+                if preset is None:
                     raise ConfigError(
                         f"unknown model '{model}' (presets: {', '.join(registry.list_presets())})"
                     )
+                hf_config = preset
             elif beside.is_file():
                 hf_config = _read_config_json(beside)
             else:
@@ -168,7 +170,6 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype=N
         tensors = module.convert_checkpoint(tensors, config)
     with _uninitialised_parameters():
         built = BaseModel(config)
-    built.kernel_choices = {}
     if quantized_load:
         if quantize in ("int4", "int8"):
             tensors = quantize_weights(tensors, quantize, _quantizable_names(built))

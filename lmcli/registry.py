@@ -41,6 +41,18 @@ FLAGSHIP_PRESETS = {
     "gemma3_text": "gemma-3-270m",
 }
 
+# GGUF general.architecture -> the lmcli module whose `config_from_gguf` / `tensors_from_gguf` read it.
+# llama.cpp files mistral and mixtral under "llama" (sometimes "mistral"); the llama module tells them apart.
+GGUF_ARCHITECTURES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "gemma": "gemma",
+    "gemma2": "gemma",
+    "gemma3": "gemma",
+    "gpt2": "gpt2",
+}
+
 # GGUF files store mistral and mixtral weights under "llama": naming them explicitly is not a conflict.
 WIDENS = {"mistral": ("llama",), "mixtral": ("llama",)}
 
@@ -70,6 +82,11 @@ def architecture_module(model_type: str) -> ModuleType:
         known = ", ".join(sorted(MODEL_TYPES))
         raise ConfigError(f"unknown architecture '{model_type}' (supported model_type values: {known})")
     return importlib.import_module(f"lmcli.models.{arch}")
+
+
+def gguf_architecture_module(gguf_architecture: str) -> ModuleType:
+    """The module that translates a GGUF file of this `general.architecture` (a key of GGUF_ARCHITECTURES)."""
+    return importlib.import_module(f"lmcli.models.{GGUF_ARCHITECTURES[gguf_architecture]}")
 
 
 def _compatible(model_type: str, wanted: str) -> bool:

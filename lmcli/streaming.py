@@ -1,24 +1,76 @@
-"""Text that streams out of a generation: stop strings and where the text goes.
+"""Text that streams out of a generation: incremental detokenisation and stop strings.
 
 Three small pieces, each usable alone:
 
+- `StreamDecoder` turns ids into text one id at a time; the pieces joined
+  equal the tokenizer's full decode.
 - `StopMatcher` cuts a stream of text at the first stop string. Text that could
   still turn out to be the start of a stop string is held back until it is
   clear, so nothing after (or part of) a stop string is ever emitted.
 - `RowText` turns one row's token ids into final text: incremental
-  detokenisation (`lmcli.io.tokenizer.StreamDecoder`) followed by a StopMatcher.
+  detokenisation (`StreamDecoder`) followed by a StopMatcher.
   The pieces it returns concatenate to exactly the completion.
-- `TerminalOutput` / `PlainOutput` write those pieces live: rich with a dimmed
-  prompt in a terminal; bare text, flushed piece by piece, in a pipe.
+
+Where the pieces go (terminal, pipe) is `lmcli.console`.
 
 Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterable
-from typing import IO
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole character
+
+
+class StreamDecoder:
+    """Turns ids into text one id at a time; the pieces joined equal `tokenizer.decode(all_ids)`.
+
+    Each push decodes a short window that starts a little before the new ids ("prefix offset")
+    and returns only what lies past the text already emitted ("read offset"). Starting the window
+    at an earlier, already-final token keeps context-dependent decoding (SentencePiece's leading
+    space, merged byte tokens) the same as in the full decode. Text is held back while it ends in
+    U+FFFD (a multi-byte character whose bytes have not all arrived) or while a run of
+    byte-fallback tokens ("<0xE4>") may go on: the decoder turns a run into text all at once, and
+    one bad byte later in the run turns the whole run into U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._invisible = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: a token whose text is final
+        self._read_offset = 0  # everything before this has been emitted
+        self._in_byte_run = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def push(self, token_id: int) -> str:
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if token_id not in self._invisible:  # skipped tokens vanish before decoding, joining runs
+            self._in_byte_run = self.tokenizer.is_byte_token(token_id)
+        if self._in_byte_run:
+            return ""
+        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        window = self._decode(self._ids[self._prefix_offset:])
+        if len(window) > len(emitted) and not window.endswith(REPLACEMENT_CHAR):
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return window[len(emitted):]
+        return ""
+
+    def flush(self) -> str:
+        """The text still held back (an unfinished character becomes U+FFFD); ends the stream."""
+        emitted = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        rest = self._decode(self._ids[self._prefix_offset:])[len(emitted):]
+        self._reset()
+        return rest
 
 
 class StopMatcher:
@@ -68,13 +120,6 @@ class StopMatcher:
         return longest
 
 
-def stream_decoder(tokenizer):
-    """An incremental detokeniser for `tokenizer` (pushes concatenate to the full decode)."""
-    from lmcli.io.tokenizer import StreamDecoder
-
-    return StreamDecoder(tokenizer)
-
-
 class RowText:
     """Token ids in, final text out, for one row: detokenise, then cut at stop strings.
 
@@ -86,8 +131,8 @@ class RowText:
 
     CONTEXT_TOKENS = 4  # prompt tokens decoded along with the first new ones
 
-    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: list[int] = ()):
-        self._decoder = stream_decoder(tokenizer)
+    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: Sequence[int] = ()):
+        self._decoder = StreamDecoder(tokenizer)
         self._matcher = StopMatcher(stops)
         self._pieces: list[str] = []
         for token_id in list(prompt_ids)[-self.CONTEXT_TOKENS :]:
@@ -115,57 +160,3 @@ class RowText:
         if piece:
             self._pieces.append(piece)
         return piece
-
-
-class PlainOutput:
-    """Pipes and files: only the generated text, flushed as it comes, nothing else."""
-
-    def __init__(self, stream: IO[str] | None = None):
-        self._stream = stream if stream is not None else sys.stdout
-
-    def prompt(self, text: str) -> None:
-        pass  # no echo: the output of `lmcli generate ... > file` is the completion
-
-    def write(self, text: str) -> None:
-        self._stream.write(text)
-        self._stream.flush()
-
-    def end(self) -> None:
-        self._stream.flush()
-
-
-class TerminalOutput:
-    """A terminal: the prompt dimmed, then the completion as each step returns it."""
-
-    def __init__(self, console=None):
-        if console is None:
-            from rich.console import Console
-
-            console = Console()
-        self._console = console
-
-    def prompt(self, text: str) -> None:
-        self._print(text, style="dim")
-
-    def write(self, text: str) -> None:
-        self._print(text)
-
-    def end(self) -> None:
-        self._console.print()
-
-    def _print(self, text: str, style: str | None = None) -> None:
-        # Model text is not rich markup, emoji codes or something to highlight;
-        # soft_wrap leaves line breaking to the terminal so pieces join seamlessly.
-        self._console.print(
-            visible_controls(text), style=style, end="", markup=False, emoji=False, highlight=False, soft_wrap=True
-        )
-        self._console.file.flush()
-
-
-# C0 controls other than tab and newline, and DEL, shown as their Unicode "control pictures" (ESC -> ␛),
-# so model output cannot move the cursor or send escape sequences to the terminal.
-_CONTROL_PICTURES = {code: 0x2400 + code for code in range(32) if chr(code) not in "\t\n"} | {0x7F: 0x2421}
-
-
-def visible_controls(text: str) -> str:
-    return text.translate(_CONTROL_PICTURES)

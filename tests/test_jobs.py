@@ -6,23 +6,16 @@ from __future__ import annotations
 import json
 import random
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
 
 from lmcli import streaming
 from lmcli.errors import LmcliError, UsageError
-from lmcli.jobs import (
-    GenerationSettings,
-    PreparedRow,
-    RowError,
-    input_hash,
-    plan_batches,
-    read_finished,
-    read_rows,
-    run_job,
-    unescape_line,
-)
+from lmcli.generation.rows import PreparedRow, plan_batches
+from lmcli.jobs import read_finished, read_rows, run_job, unescape_line
+from lmcli.settings import GenerationSettings, RowError, input_hash
 from lmcli.streaming import RowText, StopMatcher
 
 # ----------------------------------------------------------------------------- stop strings
@@ -90,7 +83,7 @@ class ByteDecoder:
 class ByteTokenizer:
     """Ids 0/1/2 are BOS/EOS/pad; every other id is a byte."""
 
-    eos_token_ids = [1]
+    eos_token_ids: ClassVar[list[int]] = [1]
     pad_token_id = 2
     bos_token_id = 0
     chat_template = "{{ messages }}"
@@ -107,7 +100,7 @@ class ByteTokenizer:
 
 @pytest.fixture
 def byte_decoder(monkeypatch):
-    monkeypatch.setattr(streaming, "stream_decoder", ByteDecoder)
+    monkeypatch.setattr(streaming, "StreamDecoder", ByteDecoder)
 
 
 def test_row_text_joins_multibyte_characters_and_cuts_at_stops(byte_decoder):
@@ -260,6 +253,8 @@ def test_batches_share_settings_and_sort_by_length():
 
 class FakeModel(torch.nn.Module):
     """Follows the generate() contract: each row's tokens depend only on its own prompt and seed."""
+
+    device = torch.device("cpu")  # as BaseModel.device
 
     def __init__(self):
         super().__init__()

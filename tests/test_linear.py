@@ -102,16 +102,65 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
     monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
     choice = linear.kernel_plan("int8", torch.bfloat16)
     assert choice.kernel in KERNELS[8] and f"{choice.kernel}@1" in choice.seconds and choice.why
     stored = json.loads((tmp_path / "kernels.json").read_text())
-    assert [entry["kernel"] for machine in stored.values() for entry in machine.values()] == [choice.kernel]
-    linear._cached_plan.cache_clear()
+    (machine,) = stored.values()
+    assert machine["int8|bfloat16,float32"]["bfloat16"]["kernel"] == choice.kernel
+    linear._cached_plans.cache_clear()
 
     def must_not_measure(*args):
         raise AssertionError("measured again despite the cache")
 
     monkeypatch.setattr(linear, "measure", must_not_measure)
     assert linear.kernel_plan("int8", torch.bfloat16) == choice
-    linear._cached_plan.cache_clear()
+    linear._cached_plans.cache_clear()
+
+
+# --- --quantize on a float checkpoint, end to end ---------------------------------------------------
+
+
+@pytest.fixture
+def quick_plans(tmp_path, monkeypatch):
+    """Kernel choices measured on a small probe into a private cache, so tests stay fast."""
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
+    monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
+    linear._cached_plans.cache_clear()
+    yield
+    linear._cached_plans.cache_clear()
+
+
+@pytest.mark.parametrize("case", ["llama-mha-tied-bias", "gpt2", "mixtral"])
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_quantize_at_load_equals_transformers_with_the_same_rounded_weights(case, kind, tmp_path, quick_plans,
+                                                                            one_thread):
+    """lmcli.load(quantize=...) against transformers whose weights were rounded the same way (float32)."""
+    pytest.importorskip("transformers")
+    from tiny import prompts, save_reference
+
+    import lmcli
+
+    reference = save_reference(case, tmp_path / case)
+    model, _ = lmcli.load(tmp_path / case, quantize=kind, dtype="float32")
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    assert model.weight_formats().keys() - {"float32"}  # something is stored quantized
+    bits = {"int4": 4, "int8": 8}[kind]
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            for leaf, weight in module.named_parameters(recurse=False):
+                router = name.endswith("mlp.gate")  # mixtral's router stays float, as lmcli keeps it
+                if leaf == "bias" or weight.dim() < 2 or router or name.endswith("wpe"):
+                    continue
+                is_conv1d = type(module).__name__ == "Conv1D"  # GPT-2 stores (in, out)
+                w = weight.t() if is_conv1d else weight  # (..., out, in): mixtral's experts (E, out, in)
+                if leaf == "gate_up_proj":  # lmcli keeps gate and up as two weights: round each
+                    halves = w.chunk(2, dim=1)
+                    weight.copy_(torch.cat([GroupQuantized.quantize(h, bits).dequantise() for h in halves], 1))
+                elif w.shape[-1] % 32 == 0:
+                    rounded = GroupQuantized.quantize(w, bits).dequantise()
+                    weight.copy_(rounded.t() if is_conv1d else rounded)
+        (ids,) = prompts([12])
+        want = reference(ids[None]).logits
+    torch.testing.assert_close(model(ids[None]), want, atol=2e-4, rtol=0)

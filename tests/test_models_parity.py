@@ -24,7 +24,7 @@ def pair(request, tmp_path_factory):
 
 
 def test_is_a_base_model_in_eval_mode(pair):
-    case, reference, model = pair
+    case, _reference, model = pair
     assert isinstance(model, lmcli.BaseModel)
     assert not model.training
     assert model.config.model_type == CASES[case][0]

@@ -266,7 +266,7 @@ def test_each_row_draws_from_its_own_stream_once_per_step():
     logits = random_logits(3)
     together = row_generators([7, 8, 9], 3, torch.device("cpu"))
     apart = [row_generators([s], 1, torch.device("cpu")) for s in (7, 8, 9)]
-    for step in range(25):
+    for _step in range(25):
         batch = sample(logits, together)
         for row in range(3):
             assert int(batch[row]) == int(sample(logits[row:row + 1], apart[row]))

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from lmcli.config import eos_id_list
 from lmcli.generation.sampling import row_generators, sample, sampling_transforms
-from lmcli.models.base import positions_from_mask
+from lmcli.models.layers import positions_from_mask
 
 
 @dataclass
@@ -47,16 +48,6 @@ def _validate_inputs(x: torch.Tensor, max_new_tokens: int, attention_mask: torch
     return mask
 
 
-def _eos_ids(eos_token_id: Any) -> list[int]:
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, torch.Tensor):
-        return [int(v) for v in eos_token_id.flatten().tolist()]
-    if isinstance(eos_token_id, (list, tuple)):
-        return [int(v) for v in eos_token_id]
-    return [int(eos_token_id)]
-
-
 def history_capacity(prompt_len: int, max_new_tokens: int, max_positions: int, trim: bool) -> int:
     """Columns of token history to allocate. All of them normally; with `trim` (ignore_output and no
     processors, which would need the whole text) only what the model can still see, plus a window of
@@ -70,10 +61,14 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
              attention_mask: torch.Tensor | None = None, eos_token_id=None, pad_token_id: int | None = None,
              *, seed=None, logits_processors=None, on_token: Callable[[TokenEvent], Any] | None = None,
              ignore_output: bool = False) -> torch.Tensor | None:
+    """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n]; `model.generate` calls this.
+
+    The contract (return value, seeds, EOS and padding, caches, hooks) is the README's "generate()" section.
+    """
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     transforms = sampling_transforms(temperature, top_k, top_p) if do_sample else []
     processors = list(logits_processors or [])
-    eos = _eos_ids(eos_token_id)
+    eos = eos_id_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
 
@@ -90,7 +85,7 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
     # a row's set of seen tokens (e.g. for a repetition penalty) is the same alone or in a batch.
     first_token = ids.gather(1, (~slot_is_token[:, :prompt_len]).sum(-1, keepdim=True))  # (B, 1)
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
-    generators = row_generators(seed, batch, device) if do_sample else None
+    generators = row_generators(seed, batch, device) if do_sample else []
 
     cache = model.init_cache(batch, min(total, max_positions)) if use_cache else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -117,7 +112,8 @@ def generate(model, x: torch.Tensor, max_new_tokens: int, do_sample: bool, tempe
         logits = logits[:, -1].float()  # (B, V)
 
         scores = logits
-        context = None
+        # Only processors read the text so far; the built-in transforms get an empty view.
+        context = ids[:, :0]  # (B, 0)
         if processors:
             context = torch.where(slot_is_token[:, :length], ids[:, :length], first_token)  # (B, length)
         if do_sample:

@@ -8,13 +8,17 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from lmcli.errors import CheckpointError
 
-# Non-parameter buffers that real checkpoints carry; recognised and skipped.
-IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|\.attn\.(bias|masked_bias))$")
+if TYPE_CHECKING:
+    from lmcli.models.base import BaseModel
+
+# Non-parameter buffers that real checkpoints carry (RoPE tables, GPT-2's causal mask); recognised and skipped.
+IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(bias|masked_bias))$")
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -50,7 +54,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict: keys() is its API)
                     if name in tensors:
                         raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
                     tensor = handle.get_tensor(name)
@@ -64,7 +68,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
     return tensors, origin
 
 
-def fill_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str,
+def fill_model(model: BaseModel, tensors: dict[str, torch.Tensor], source: str,
                origin: dict[str, Path] | None = None) -> None:
     """Assign checkpoint tensors to the model's parameters by name, accounting for every one.
 
@@ -73,7 +77,7 @@ def fill_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source:
     """
     origin = origin or {}
     expected = dict(model.named_parameters(remove_duplicate=False))
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     for name, tensor in tensors.items():
         where = origin.get(name, source)
         if name in tied:

@@ -20,6 +20,7 @@ from lmcli.models.layers import (
     AttentionInputs,
     SparseMoE,
     make_norm,
+    positions_from_mask,
     rope_cos_sin,
     rope_inverse_frequencies,
 )
@@ -73,6 +74,7 @@ class BaseModel(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self.eval()
 
@@ -150,7 +152,7 @@ class BaseModel(nn.Module):
 
         Sliding-window layers get a rolling buffer of `sliding_window` slots; the others a static one.
         """
-        from lmcli.generation.cache import ModelCache
+        from lmcli.models.cache import ModelCache
 
         return ModelCache.for_model(self, batch_size, max_length)
 
@@ -159,17 +161,14 @@ class BaseModel(nn.Module):
         return cache.traverse(fn)
 
     @torch.inference_mode()
-    def generate(self, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                 attention_mask: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int | None = None, *, seed: Any = None, logits_processors=None,
-                 on_token: Callable | None = None, ignore_output: bool = False) -> torch.Tensor | None:
-        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n]. See lmcli.generation.loop."""
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode.
+
+        A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s.
+        """
         from lmcli.generation.loop import generate
 
-        return generate(self, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
-                        attention_mask, eos_token_id, pad_token_id, seed=seed,
-                        logits_processors=logits_processors, on_token=on_token, ignore_output=ignore_output)
+        return generate(self, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:
@@ -189,7 +188,3 @@ class BaseModel(nn.Module):
     def num_parameters(self) -> int:
         return sum(self.weight_formats().values())
 
-
-def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
-    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)

@@ -4,14 +4,18 @@ Its checkpoints use other names and Conv1D layers (weights stored [in, out]), so
 split and transposed at load time onto the shared decoder.
 """
 
-import re
+from __future__ import annotations
 
-import torch
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from lmcli.config import ModelConfig, token_and_source_fields
 
-# Buffers real GPT-2 checkpoints carry that are not parameters (the causal mask).
-IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
+if TYPE_CHECKING:
+    import torch
+
+    from lmcli.io.gguf import GGUFFile
 
 _RENAMES = {
     "ln_1": "input_layernorm",
@@ -53,11 +57,13 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
 
 def convert_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """GPT-2 names -> shared decoder names; Conv1D [in, out] -> Linear [out, in]; c_attn -> q, k, v."""
+    from lmcli.io.checkpoint import IGNORED_TENSORS
+
     out = {}
     for name, tensor in tensors.items():
         if name.startswith("transformer."):
             name = name[len("transformer."):]
-        if IGNORED.search(name):
+        if IGNORED_TENSORS.search(name):  # the causal-mask buffers GPT-2 checkpoints carry
             continue
         if name in ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias"):
             target = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
@@ -79,3 +85,50 @@ def convert_checkpoint(tensors: dict[str, torch.Tensor], config: ModelConfig) ->
             continue
         out[f"{prefix}.{_RENAMES.get(module, module)}.{leaf}"] = tensor
     return out
+
+
+# --- GGUF
+
+_GGUF_TOP_LEVEL = {"token_embd": "transformer.wte", "position_embd": "transformer.wpe",
+                   "output_norm": "transformer.ln_f", "output": "lm_head"}
+_GGUF_BLOCK = {"attn_norm": "ln_1", "attn_qkv": "attn.c_attn", "attn_output": "attn.c_proj",
+               "ffn_norm": "ln_2", "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+
+
+def config_from_gguf(gguf: GGUFFile) -> dict[str, Any]:
+    positions = gguf.integer("context_length")
+    return {
+        "model_type": "gpt2",
+        "vocab_size": gguf.vocab_size(),
+        "n_embd": gguf.integer("embedding_length"),
+        "n_layer": gguf.integer("block_count"),
+        "n_head": gguf.integer("attention.head_count"),
+        "n_inner": gguf.integer("feed_forward_length", None),
+        "n_positions": positions,
+        "n_ctx": positions,
+        "layer_norm_epsilon": gguf.require("attention.layer_norm_epsilon"),
+        "activation_function": "gelu_new",
+        # llama.cpp writes GPT-2's tied head out as a copy of the embedding: same bytes means tied.
+        "tie_word_embeddings": ("output.weight" not in gguf.header.tensors
+                                or gguf.same_bytes("output.weight", "token_embd.weight")),
+        **gguf.token_ids(),
+        "architectures": ["GPT2LMHeadModel"],
+    }
+
+
+def tensors_from_gguf(gguf: GGUFFile, name: str, tensor: torch.Tensor,
+                      config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """GGUF names -> HF GPT-2 names (which `convert_checkpoint` then maps onto the shared decoder)."""
+    stem, _, leaf = name.rpartition(".")
+    if stem in _GGUF_TOP_LEVEL:
+        if stem == "output" and config["tie_word_embeddings"]:
+            return
+        yield f"{_GGUF_TOP_LEVEL[stem]}.{leaf}", tensor
+        return
+    parts = gguf.block_parts(name)
+    if parts is None or parts[2] is not None or parts[1] not in _GGUF_BLOCK:
+        raise gguf.unexpected(name, config)
+    layer, kind, _, leaf = parts
+    if leaf == "weight" and not kind.endswith("_norm"):
+        tensor = tensor.t().contiguous()  # HF GPT-2 keeps Conv1D weights as (in, out)
+    yield f"transformer.h.{layer}.{_GGUF_BLOCK[kind]}.{leaf}", tensor

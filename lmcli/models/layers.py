@@ -7,6 +7,7 @@ most checkpoints load by name; architectures with other names rename at load tim
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,7 +40,7 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     return RMSNorm(dim, config.norm_eps, config.norm_unit_offset)
 
 
-ACTIVATIONS = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu": F.gelu,
@@ -118,6 +119,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        self.q_norm: RMSNorm | None
+        self.k_norm: RMSNorm | None
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_unit_offset)
             self.k_norm = RMSNorm(self.head_dim, config.norm_eps, config.norm_unit_offset)
@@ -129,7 +132,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             cos, sin = inputs.rope[self.layer_type]
@@ -231,3 +234,8 @@ class SparseMoE(nn.Module):
             expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
             out.index_add_(0, token_index, expert_out * weights[token_index, slot, None])
         return out.view(shape)
+
+
+def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
+    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)

@@ -422,7 +422,7 @@ class KernelChoice:
         return f"{self.kind} ({self.dtype}): {self.kernel}{large} — {self.why}"
 
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 _PROBE_SHAPE = (1024, 1024)  # (N, K): 1M weights, big enough to time, small enough to do at load
 _ROW_COUNTS = (1, 16, 64)
 
@@ -481,49 +481,73 @@ def _candidates(kind: str, device: torch.device) -> list[str]:
     return (["int4pack" if kind == "int4" else "int4pair"] if has_int4 else []) + ["dequantise"]
 
 
+MEASURED_DTYPES = (torch.bfloat16, torch.float32)  # compared against each other in one run
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @torch.inference_mode()
-def measure(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
-    """Time each candidate for `kind` weights on this device; drop any that fails or is wrong."""
+def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES) -> dict[str, KernelChoice]:
+    """Time each candidate kernel for `kind` weights with each activation dtype, all in one interleaved
+    run (so the dtypes are compared under the same load); drop any candidate that fails or is wrong.
+    Returns a choice per dtype name."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(_PROBE_SHAPE, generator=gen) * 0.05
     q = GroupQuantized.quantize(weight, 4 if kind == "int4" else 8)
     reference_weight = q.dequantise(torch.float32)
-    rejected: dict[str, str] = {}
-    kernels: dict[str, Kernel] = {}
-    for name in _candidates(kind, device):
-        try:
-            kernel = build_kernel(name, q, dtype, device)
-            x = torch.randn(4, _PROBE_SHAPE[1], generator=gen)
-            got = kernel.matmul(x.to(device, dtype)).float().cpu()
-            want = F.linear(x, reference_weight)
-            error = ((got - want).abs().max() / want.abs().max()).item()
-            if not error <= _tolerance(dtype):
-                rejected[name] = f"off by {error:.1e}"
+    rejected: dict[tuple, str] = {}
+    kernels: dict[tuple, Kernel] = {}  # (dtype, kernel name) -> kernel
+    for dtype in dtypes:
+        for name in _candidates(kind, device):
+            try:
+                kernel = build_kernel(name, q, dtype, device)
+                x = torch.randn(4, _PROBE_SHAPE[1], generator=gen)
+                got = kernel.matmul(x.to(device, dtype)).float().cpu()
+                want = F.linear(x, reference_weight)
+                error = ((got - want).abs().max() / want.abs().max()).item()
+                if not error <= _tolerance(dtype):
+                    rejected[dtype, name] = f"off by {error:.1e}"
+                    continue
+            except (RuntimeError, NotImplementedError, AttributeError) as exc:
+                rejected[dtype, name] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
                 continue
-        except (RuntimeError, NotImplementedError, AttributeError) as exc:
-            rejected[name] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
-            continue
-        kernels[name] = kernel
-    inputs = {rows: torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype) for rows in _ROW_COUNTS}
-    calls = {f"{name}@{rows}": (lambda k=kernel, x=x: k.matmul(x))
-             for name, kernel in kernels.items() for rows, x in inputs.items()}
-    expandable = {name: kernel for name, kernel in kernels.items() if name != "dequantise" and kernel.dequantise() is not None}
-    calls.update({f"{name}+expand@{rows}": (lambda k=kernel, x=x: F.linear(x, k.dequantise()))
-                  for name, kernel in expandable.items() for rows, x in inputs.items() if rows > 1})
+            kernels[dtype, name] = kernel
+    inputs = {(dtype, rows): torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype)
+              for dtype in dtypes for rows in _ROW_COUNTS}
+    calls = {}
+    for (dtype, name), kernel in kernels.items():
+        for rows in _ROW_COUNTS:
+            x = inputs[dtype, rows]
+            calls[f"{_dtype_name(dtype)}:{name}@{rows}"] = lambda k=kernel, x=x: k.matmul(x)
+            if rows > 1 and name != "dequantise" and kernel.dequantise() is not None:
+                calls[f"{_dtype_name(dtype)}:{name}+expand@{rows}"] = lambda k=kernel, x=x: F.linear(x, k.dequantise())
     seconds = _time_interleaved(calls)
-    best = min(kernels, key=lambda name: seconds[f"{name}@1"])
-    others = [f"{name} {seconds[f'{best}@1'] / seconds[f'{name}@1']:.2f}x" for name in kernels if name != best]
-    why = f"fastest at 1 row ({', '.join(others) or 'only candidate'} its speed)"
-    if rejected:
-        why += "; not used: " + ", ".join(f"{k} ({v})" for k, v in rejected.items())
-    large_rows = None
-    if best in expandable:
+    fastest_decode = min((seconds[f"{_dtype_name(d)}:{n}@1"], _dtype_name(d)) for d, n in kernels)
+    choices = {}
+    for dtype in dtypes:
+        label = _dtype_name(dtype)
+        mine = {key.split(":", 1)[1]: value for key, value in seconds.items() if key.startswith(f"{label}:")}
+        names = [name for d, name in kernels if d == dtype]
+        if not names:
+            continue
+        best = min(names, key=lambda name: mine[f"{name}@1"])
+        others = [f"{name} {mine[f'{best}@1'] / mine[f'{name}@1']:.2f}x" for name in names if name != best]
+        why = f"fastest at 1 row ({', '.join(others) or 'only candidate'} its speed)"
+        if label != fastest_decode[1]:
+            why += f"; {fastest_decode[1]} activations decode {mine[f'{best}@1'] / fastest_decode[0]:.1f}x faster"
+        gone = [f"{name} ({reason})" for (d, name), reason in rejected.items() if d == dtype]
+        if gone:
+            why += "; not used: " + ", ".join(gone)
+        large_rows = None
         for rows in _ROW_COUNTS[1:]:
-            if seconds[f"{best}+expand@{rows}"] < seconds[f"{best}@{rows}"]:
+            if mine.get(f"{best}+expand@{rows}", float("inf")) < mine[f"{best}@{rows}"]:
                 large_rows = rows
                 why += f"; from {rows} rows dequantise + F.linear is faster"
                 break
-    return KernelChoice(kind, str(dtype).removeprefix("torch."), best, large_rows, why, seconds)
+        choices[label] = KernelChoice(kind, label, best, large_rows, why, mine)
+    return choices
 
 
 def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
@@ -540,14 +564,15 @@ def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu
             raise UsageError(f"LMCLI_KERNEL={forced}: unknown kernel (use int4pack, int4pair or dequantise)")
         if forced != "dequantise":
             forced = "int4pack" if kind == "int4" else "int4pair"
-        return KernelChoice(kind, str(dtype).removeprefix("torch."), forced, None, "forced by LMCLI_KERNEL", {})
-    return _cached_plan(kind, dtype, device)
+        return KernelChoice(kind, _dtype_name(dtype), forced, None, "forced by LMCLI_KERNEL", {})
+    dtypes = MEASURED_DTYPES if dtype in MEASURED_DTYPES else (dtype,)
+    return _cached_plans(kind, dtypes, device)[_dtype_name(dtype)]
 
 
 @functools.cache
-def _cached_plan(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
+def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.device) -> dict[str, KernelChoice]:
     path, machine = _plan_file(), _machine_key(device)
-    entry = f"{kind}|{dtype}"
+    entry = f"{kind}|{','.join(map(_dtype_name, dtypes))}"
     try:
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -555,13 +580,13 @@ def _cached_plan(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
     if not isinstance(stored, dict):
         stored = {}
     known = stored.get(machine, {}).get(entry)
-    if known and not os.environ.get("LMCLI_REMEASURE"):
+    if isinstance(known, dict) and not os.environ.get("LMCLI_REMEASURE"):
         try:
-            return KernelChoice(**known)
+            return {label: KernelChoice(**fields) for label, fields in known.items()}
         except TypeError:
             pass
-    choice = measure(kind, dtype, device)
-    stored.setdefault(machine, {})[entry] = asdict(choice)
+    choices = measure(kind, device, dtypes)
+    stored.setdefault(machine, {})[entry] = {label: asdict(choice) for label, choice in choices.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
@@ -569,7 +594,7 @@ def _cached_plan(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
         os.replace(temporary, path)
     except OSError:
         pass  # a read-only cache only means measuring again next time
-    return choice
+    return choices
 
 
 def preferred_dtype(kind: str, device: torch.device | str = "cpu") -> torch.dtype:
@@ -578,7 +603,7 @@ def preferred_dtype(kind: str, device: torch.device | str = "cpu") -> torch.dtyp
     if device.type == "cuda":
         return torch.bfloat16
     timings = {}
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in MEASURED_DTYPES:
         choice = kernel_plan(kind, dtype, device)
         timings[dtype] = choice.seconds.get(f"{choice.kernel}@1", float("inf"))
     if all(t == float("inf") for t in timings.values()):  # forced kernels: nothing measured

@@ -81,7 +81,7 @@ class ModelCache:
     @classmethod
     def for_model(cls, model, batch_size: int, max_length: int) -> ModelCache:
         config = model.config
-        layers = []
+        layers: list[KVCache | RollingKVCache] = []
         for layer_type in config.layer_types:
             window = config.sliding_window if layer_type == SLIDING else None
             if window is not None and window < max_length:

@@ -1,0 +1,223 @@
+"""Prompts -> batches -> one `model.generate` call -> results (text, logprobs, finish reasons).
+
+A single `lmcli generate PROMPT` is a job of one row, so both paths share
+`generate_batch`, and a row gives the same result alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmcli.errors import TokenizerError
+from lmcli.settings import GenerationSettings, RowError, input_hash
+
+
+@dataclass
+class PreparedRow:
+    """A row ready for the model: tokenised, with the seed it will use."""
+
+    id: int | str
+    prompt: str
+    settings: GenerationSettings
+    prompt_ids: list[int]
+    seed: int | None
+    input_hash: str
+
+
+def encode_prompt(tokenizer, prompt: str, settings: GenerationSettings) -> list[int]:
+    if not settings.chat:
+        return list(tokenizer.encode(prompt))
+    messages = [{"role": "system", "content": settings.system}] if settings.system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return list(tokenizer.encode_chat(messages, add_generation_prompt=True))
+
+
+def require_chat_template(tokenizer) -> None:
+    if not tokenizer.chat_template:
+        raise TokenizerError("this checkpoint's tokenizer has no chat template, so --chat cannot be used")
+
+
+def prepare_row(tokenizer, row_id, prompt: str, settings: GenerationSettings, hash_: str | None = None) -> PreparedRow:
+    """Tokenise a prompt and fix its seed; raises RowError for an empty prompt."""
+    ids = encode_prompt(tokenizer, prompt, settings)
+    if not ids:
+        raise RowError("the prompt is empty (it encodes to no tokens)")
+    seed = settings.seed
+    if seed is None and not settings.greedy:
+        seed = secrets.randbelow(2**32)  # recorded in the output, so the row can be reproduced
+    return PreparedRow(row_id, prompt, settings, ids, seed, hash_ or input_hash(prompt, settings))
+
+
+@dataclass
+class RowResult:
+    """A row as it generates: its tokens, its text, and why it stopped."""
+
+    row: PreparedRow
+    text: Any  # streaming.RowText
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    finish_reason: str | None = None  # "eos", "length" or "stop"
+    started: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_json(self) -> dict:
+        out = {
+            "id": self.row.id,
+            "prompt": self.row.prompt,
+            "completion": self.text.text,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": len(self.row.prompt_ids),
+            "completion_tokens": len(self.tokens),
+            "seed": self.row.seed,
+        }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        out["input_hash"] = self.row.input_hash
+        return out
+
+
+def plan_batches(rows: list[PreparedRow], batch_size: int) -> Iterator[list[PreparedRow]]:
+    """Batches of rows that can share one `generate` call, with little padding to waste."""
+    groups: dict[tuple, list[PreparedRow]] = {}
+    for row in rows:
+        groups.setdefault(row.settings.batch_key(), []).append(row)
+    for group in groups.values():
+        # Similar max_new_tokens first (finished rows still ride along until the
+        # batch ends), then similar prompt lengths (less left padding).
+        group.sort(key=lambda r: (r.settings.max_new_tokens, len(r.prompt_ids)))
+        for start in range(0, len(group), batch_size):
+            yield group[start : start + batch_size]
+
+
+def generate_batch(
+    model,
+    tokenizer,
+    rows: list[PreparedRow],
+    *,
+    on_text: Callable[[RowResult, str], None] | None = None,
+    on_done: Callable[[RowResult], None] | None = None,
+) -> list[RowResult]:
+    """Generate every row in one `model.generate` call (rows must share `batch_key()`).
+
+    Rows end on their own: at EOS, at their own stop strings or at their own
+    max_new_tokens. `on_text(result, piece)` gets each row's final text as it
+    appears; `on_done(result)` is called the step a row finishes.
+    """
+    import torch
+
+    from lmcli.streaming import RowText
+
+    settings = rows[0].settings
+    device = model.device
+    eos_ids = tokenizer.eos_token_ids
+    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    width = max(len(r.prompt_ids) for r in rows)
+    # Left padding, masked out: generate() gives each row what it gives alone.
+    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device)
+    attention_mask = None
+    if any(len(r.prompt_ids) < width for r in rows):
+        attention_mask = torch.tensor(
+            [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device
+        )
+    processors = None
+    if settings.repetition_penalty not in (None, 1.0):
+        from lmcli.generation.sampling import RepetitionPenalty
+
+        processors = [RepetitionPenalty(settings.repetition_penalty)]
+    top_logprobs = settings.logprobs
+
+    started = time.perf_counter()
+    results = [
+        RowResult(r, RowText(tokenizer, r.settings.stop, r.prompt_ids), started=started, logprobs=[] if top_logprobs is not None else None)
+        for r in rows
+    ]
+
+    def finish(result: RowResult, reason: str) -> None:
+        piece = result.text.finish()
+        if piece and on_text:
+            on_text(result, piece)
+        result.finish_reason = reason
+        result.finished_at = time.perf_counter()
+        if on_done:
+            on_done(result)
+
+    def on_token(event):
+        now = time.perf_counter()
+        token_ids = event.token_id.tolist()
+        steps = _logprob_steps(tokenizer, event, top_logprobs) if top_logprobs is not None else None
+        ended = [False] * len(results)
+        for i, result in enumerate(results):
+            if result.done:
+                ended[i] = True
+                continue
+            token = token_ids[i]
+            result.tokens.append(token)
+            if result.first_token_at is None:
+                result.first_token_at = now
+            if steps is not None and result.logprobs is not None:
+                result.logprobs.append(steps(i))
+            if token in stop_at_eos:
+                finish(result, "eos")
+            else:
+                piece = result.text.push(token)
+                if piece and on_text:
+                    on_text(result, piece)
+                if result.text.stopped:
+                    finish(result, "stop")
+                elif len(result.tokens) >= result.row.settings.max_new_tokens:
+                    finish(result, "length")
+            ended[i] = result.done
+        return torch.tensor(ended, device=event.token_id.device)
+
+    model.generate(
+        input_ids,
+        max_new_tokens=max(r.settings.max_new_tokens for r in rows),
+        do_sample=not settings.greedy,
+        temperature=settings.temperature if not settings.greedy else 1.0,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        attention_mask=attention_mask,
+        eos_token_id=sorted(stop_at_eos) or None,
+        pad_token_id=pad_id,
+        seed=None if settings.greedy else [r.seed for r in rows],
+        logits_processors=processors,
+        on_token=on_token,
+        ignore_output=True,  # on_token has seen every token already
+    )
+    for result in results:
+        if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
+            finish(result, "length")
+    return results
+
+
+def _logprob_steps(tokenizer, event, k: int):
+    """Per-row logprob entries for this step, from the raw logits (before temperature)."""
+    import torch
+
+    logprobs = torch.log_softmax(event.logits.float(), dim=-1)
+    chosen = logprobs.gather(1, event.token_id.view(-1, 1).to(logprobs.device)).view(-1).tolist()
+    token_ids = event.token_id.tolist()
+    k = min(k, logprobs.shape[-1])
+    top = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    top_values, top_ids = top[0].tolist(), top[1].tolist()
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": text, "id": token_id, "logprob": round(logprob, 5)}
+
+    def step(i: int) -> dict:
+        out = entry(token_ids[i], chosen[i])
+        out["top"] = [entry(t, v) for t, v in zip(top_ids[i], top_values[i])]
+        return out
+
+    return step
