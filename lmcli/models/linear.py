@@ -1,0 +1,676 @@
+"""How a weight is stored and multiplied: float, or group-quantized (int4 / int8) and kept that way.
+
+The architectures build plain `nn.Linear` / `nn.Embedding` modules; at load, `install_quantized`
+swaps the ones whose checkpoint tensor is a `GroupQuantized` for `QuantLinear` / `QuantEmbedding`.
+Which kernel multiplies a quantized weight is chosen by measuring the candidates on this machine
+once (`kernel_plan`, cached on disk per CPU, torch version and thread count):
+
+  int4pack     torch's group-wise int4 kernel (`_weight_int4pack_mm_for_cpu`, tinygemm on CUDA);
+               codes 0..15, value = (code - 8) * scale + zero, scales and zeros in the activation dtype
+  int4pair     int8 codes split into a high and a low nibble, both multiplied by the int4 kernel
+               as one matrix of twice the rows: value = 16 s (hi - 8) + s (lo - 8) + (8 s + offset)
+  dequantise   the weight is expanded to the activation dtype on every call, then `F.linear`
+               (always available; also the path for many rows at once when it measures faster)
+
+A candidate that is missing on this build or gives a wrong result on a probe is not used.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GROUP = 32  # values per scale when lmcli quantizes a float weight itself
+
+
+# --- the stored form ---------------------------------------------------------------------------------
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (..., K) -> (..., K/2) bytes, code 2j in the low nibble and 2j+1 in the high one."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(..., K/2) bytes -> (..., K) codes 0..15."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
+def _unpack_nibbles_numpy(packed: torch.Tensor) -> torch.Tensor:
+    """unpack_nibbles for a (N, K/2) CPU tensor, several times faster through numpy at load."""
+    if packed.device.type != "cpu":
+        return unpack_nibbles(packed)
+    b = packed.numpy()
+    codes = np.empty((*b.shape[:-1], 2 * b.shape[-1]), dtype=np.uint8)
+    codes[..., 0::2], codes[..., 1::2] = b & 15, b >> 4
+    return torch.from_numpy(codes)
+
+
+@dataclass
+class GroupQuantized:
+    """A weight (..., N, K) as integer codes with one scale (and offset) per `group` values of a row.
+
+    value = code * scale + offset. 4-bit codes (0..15) are kept two to a byte (`pack_nibbles`), so
+    `codes` is (..., N, K/2) uint8; other widths are int8 (..., N, K). Row operations (permute,
+    select, split) apply to codes, scales and offsets alike (`map`).
+    """
+
+    codes: torch.Tensor  # (..., N, K/2) uint8 when bits == 4, else (..., N, K) int8
+    scales: torch.Tensor  # (..., N, K // group) float32
+    offsets: torch.Tensor | None  # (..., N, K // group) float32, or None for 0
+    group: int
+    bits: int
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, group: int,
+                   bits: int) -> GroupQuantized:
+        """From one code per value: uint8 0..15 for 4 bits, int8 otherwise."""
+        return cls(pack_nibbles(codes) if bits == 4 else codes, scales, offsets, group, bits)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.scales.shape[:-1], self.scales.shape[-1] * self.group))
+
+    @property
+    def kind(self) -> str:
+        return f"int{self.bits}"
+
+    def code_values(self) -> torch.Tensor:
+        """One code per value (..., N, K): uint8 0..15 for 4 bits, int8 otherwise."""
+        return unpack_nibbles(self.codes) if self.bits == 4 else self.codes
+
+    def map(self, fn) -> GroupQuantized:
+        """Apply a row operation (permute, select, move) to codes, scales and offsets alike."""
+        offsets = None if self.offsets is None else fn(self.offsets)
+        return GroupQuantized(fn(self.codes), fn(self.scales), offsets, self.group, self.bits)
+
+    def unbind(self, dim: int = 0) -> list[GroupQuantized]:
+        return [self.map(lambda t, i=i: t.select(dim, i).clone()) for i in range(self.codes.shape[dim])]
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[GroupQuantized]:
+        assert dim == 0, "only rows can be split: groups run along a row"
+        size = self.codes.shape[0] // chunks
+        return [self.map(lambda t, i=i: t[i * size:(i + 1) * size]) for i in range(chunks)]
+
+    def to(self, *args: Any, device: torch.device | str | None = None, **_: Any) -> GroupQuantized:
+        """Moves to `device`; a dtype is ignored (the activation dtype is chosen when a kernel is built)."""
+        device = next((a for a in args if isinstance(a, (str, torch.device))), device)
+        return self if device is None else self.map(lambda t: t.to(device))
+
+    def clone(self) -> GroupQuantized:
+        return self.map(torch.clone)
+
+    def contiguous(self) -> GroupQuantized:
+        return self.map(lambda t: t.contiguous())
+
+    def t(self) -> torch.Tensor:
+        """Transposed, groups would run down the columns, which no kernel takes: the float weight (K, N)."""
+        return self.dequantise().t()
+
+    def dequantise(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight (..., N, K) in `dtype` (computed in float32)."""
+        *lead, k = self.shape
+        grouped = self.code_values().float().reshape(*lead, k // self.group, self.group)  # (..., N, G, group)
+        values = grouped * self.scales[..., None]
+        if self.offsets is not None:
+            values = values + self.offsets[..., None]
+        return values.reshape(*lead, k).to(dtype)
+
+    @staticmethod
+    def quantize(weight: torch.Tensor, bits: int, group: int = GROUP) -> GroupQuantized:
+        """Round-to-nearest, group-wise: int4 asymmetric (min/max per group), int8 symmetric (absmax)."""
+        *lead, k = weight.shape
+        w = weight.float().reshape(*lead, k // group, group)  # (..., N, G, group)
+        if bits == 4:
+            low, high = w.amin(-1), w.amax(-1)
+            scales = ((high - low) / 15).clamp(min=1e-12)
+            codes = torch.round((w - low[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+            return GroupQuantized.from_codes(codes.reshape(weight.shape), scales, low, group, 4)
+        scales = (w.abs().amax(-1) / 127).clamp(min=1e-12)
+        codes = torch.round(w / scales[..., None]).clamp(-127, 127).to(torch.int8)
+        return GroupQuantized(codes.reshape(weight.shape), scales, None, group, 8)
+
+
+def quantize_weights(tensors: dict[str, torch.Tensor], kind: str, names) -> dict[str, Any]:
+    """`tensors` with the weights named in `names` (2-D, rows a multiple of GROUP long) quantized."""
+    bits = {"int4": 4, "int8": 8}[kind]
+    out: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name in names and tensor.dim() == 2 and tensor.shape[1] % GROUP == 0:
+            out[name] = GroupQuantized.quantize(tensor, bits)
+        else:
+            out[name] = tensor
+    return out
+
+
+# --- torch's packed int4 layout on the CPU ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Where `_convert_weight_to_int4pack_for_cpu` puts each code: rows in blocks of `block` rows,
+    each block stored (K, block) with the rows in the order `rows` (a nibble position -> row)."""
+
+    block: int
+    rows: tuple[int, ...]
+
+    @functools.cached_property
+    def position(self) -> torch.Tensor:  # row within a block -> its nibble position
+        return torch.argsort(torch.tensor(self.rows))
+
+    def fits(self, n: int) -> bool:
+        return n % self.block == 0
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """(N, K) codes 0..15 -> (N, K/2) bytes in this layout: what torch's packing makes, in
+        cheap byte operations (numpy) rather than through int32."""
+        n, k = codes.shape
+        c = codes.numpy().reshape(n // self.block, self.block, k)[:, list(self.rows)]  # (NB, pos, K)
+        c = c.transpose(0, 2, 1)  # (NB, K, pos)
+        packed = c[..., 0::2] | (c[..., 1::2] << 4)  # (NB, K, block/2), low nibble first
+        return torch.from_numpy(np.ascontiguousarray(packed).reshape(n, k // 2))
+
+    def unpack(self, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """(N, K/2) packed bytes -> (N, K) codes."""
+        b = packed.view(n // self.block, k, self.block // 2)  # (NB, K, block/2)
+        nibbles = torch.stack((b & 15, b >> 4), dim=-1).view(n // self.block, k, self.block)  # (NB, K, pos)
+        return nibbles.transpose(1, 2)[:, self.position].reshape(n, k)  # (NB, row, K) -> (N, K)
+
+    def unpack_rows(self, packed: torch.Tensor, n: int, k: int, rows: torch.Tensor) -> torch.Tensor:
+        """Codes of the given rows only: (R,) -> (R, K)."""
+        b = packed.view(n // self.block, k, self.block // 2)
+        pos = self.position.to(rows.device)[rows % self.block]  # (R,)
+        picked = b[(rows // self.block)[:, None], torch.arange(k, device=rows.device)[None, :], (pos // 2)[:, None]]
+        return (picked >> ((pos % 2) * 4)[:, None]) & 15  # (R, K)
+
+
+@functools.cache
+def cpu_pack_layout() -> PackLayout | None:
+    """Find the layout by packing probes, then check it on random codes; None if it is not one of blocks."""
+    pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
+    if pack is None:
+        return None
+    n, k = 128, 32
+    row = torch.arange(n, dtype=torch.int32)[:, None].expand(n, k)
+    try:
+        low, high = (pack(v.contiguous(), 1).flatten() for v in (row % 16, row // 16))
+    except RuntimeError:
+        return None
+    # The row each nibble holds, in storage order (low nibble first).
+    held = (torch.stack((low & 15, low >> 4), -1) + 16 * torch.stack((high & 15, high >> 4), -1)).flatten()
+    for block in (64, 32, 16):
+        per_block = held.view(n // block, k, block)
+        first = per_block[0, 0] % block
+        expected = first[None, None] + block * torch.arange(n // block)[:, None, None]
+        if torch.equal(per_block, expected.expand_as(per_block)) and sorted(first.tolist()) == list(range(block)):
+            layout = PackLayout(block, tuple(first.tolist()))
+            codes = torch.randint(0, 16, (3 * block, 96), dtype=torch.int32)
+            if torch.equal(layout.unpack(pack(codes, 1), *codes.shape), codes.to(torch.uint8)):
+                return layout
+    return None
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+
+
+class Kernel(nn.Module):
+    """One stored form of a (N, K) weight and how it multiplies activations (M, K) -> (M, N)."""
+
+    name = "?"
+
+    def __init__(self, n: int, k: int, dtype: torch.dtype):
+        super().__init__()
+        self.n, self.k, self.dtype = n, k, dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantise(self) -> torch.Tensor | None:
+        """(N, K) in the activation dtype, or None if this form cannot be expanded cheaply."""
+        return None
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor | None:
+        """Rows `index` (R,) -> (R, K) in the activation dtype (an embedding lookup), or None."""
+        return None
+
+
+class DequantiseKernel(Kernel):
+    """Codes, scales and offsets as loaded (4-bit codes two to a byte); expanded on every call."""
+
+    name = "dequantise"
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
+    def __init__(self, q: GroupQuantized, dtype: torch.dtype):
+        n, k = q.shape
+        super().__init__(n, k, dtype)
+        self.bits, self.group = q.bits, q.group
+        self.register_buffer("codes", q.codes.contiguous(), persistent=False)  # 4-bit: two codes a byte
+        self.register_buffer("scales", q.scales.to(dtype), persistent=False)
+        offsets = q.offsets.to(dtype) if q.offsets is not None else None
+        self.register_buffer("offsets", offsets, persistent=False)
+
+    def _expand(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+        if self.bits == 4:
+            codes = unpack_nibbles(codes)  # (R, K)
+        rows = codes.shape[0]
+        grouped = codes.to(self.dtype).view(rows, -1, self.group) * scales[..., None]  # (R, G, group)
+        if offsets is not None:
+            grouped = grouped + offsets[..., None]
+        return grouped.view(rows, self.k)
+
+    def dequantise(self) -> torch.Tensor:
+        return self._expand(self.codes, self.scales, self.offsets)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        offsets = None if self.offsets is None else self.offsets[index]
+        return self._expand(self.codes[index], self.scales[index], offsets)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantise())
+
+
+def _int4_scales_and_zeros(scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """(N, G) scales and offsets of value = code * s + o -> torch's (G, N, 2) for value = (code - 8) * s + z."""
+    zeros = 8 * scales if offsets is None else offsets + 8 * scales
+    return torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+
+
+class Int4PackKernel(Kernel):
+    """torch's group-wise int4 matrix product (CPU: `_weight_int4pack_mm_for_cpu`; CUDA: tinygemm).
+
+    4-bit weights are packed as they are; 8-bit ones as two nibble matrices stacked by rows (`pair`),
+    multiplied together and summed: (M, 2N) -> (M, N).
+    """
+
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+
+    def __init__(self, q: GroupQuantized, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        n, k = q.shape
+        super().__init__(n, k, dtype)
+        self.pair = q.bits == 8
+        self.name = "int4pair" if self.pair else "int4pack"
+        self.group, self.on_cuda = q.group, torch.device(device).type == "cuda"
+        if self.pair:
+            unsigned = (q.codes.view(torch.uint8) ^ 0x80)  # (N, K) code + 128, 0..255
+            codes = torch.cat((unsigned >> 4, unsigned & 15))  # (2N, K): high nibbles, then low
+            offsets = torch.zeros_like(q.scales) if q.offsets is None else q.offsets
+            scales = torch.cat((16 * q.scales, q.scales))
+            # s (16 hi + lo - 128) + offset = 16 s (hi - 8) + s (lo - 8) + (8 s + offset); torch computes
+            # (code - 8) * scale + zero, so zero is 0 for the high half and 8 s + offset for the low one.
+            sz = torch.stack((scales, torch.cat((torch.zeros_like(q.scales), 8 * q.scales + offsets))), -1)
+            sz = sz.transpose(0, 1).contiguous().to(dtype)
+        else:
+            codes, sz = _unpack_nibbles_numpy(q.codes), _int4_scales_and_zeros(q.scales, q.offsets, dtype)
+        self.rows_stored = codes.shape[0]
+        self.layout = None if self.on_cuda else cpu_pack_layout()
+        if self.layout is not None and not self.layout.fits(self.rows_stored):
+            self.layout = None
+        if self.on_cuda:  # tinygemm takes two codes per byte, the even one high
+            codes = codes.to(device)
+            packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
+        elif self.layout is not None:
+            packed = self.layout.pack(codes.contiguous())
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales_and_zeros", sz.to(device), persistent=False)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda:
+            y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
+        return y[:, :self.n] + y[:, self.n:] if self.pair else y  # (M, N)
+
+    def _expand(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Codes (R, K) of stored rows `rows` -> values, (code - 8) * s + z per group."""
+        sz = self.scales_and_zeros[:, rows]  # (G, R, 2)
+        scales, zeros = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # (R, G, 1)
+        grouped = codes.to(self.dtype).view(len(rows), -1, self.group)
+        return ((grouped - 8) * scales + zeros).view(len(rows), self.k)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor | None:
+        if self.layout is None:
+            return None
+        stored = torch.cat((index, index + self.n)) if self.pair else index
+        values = self._expand(self.layout.unpack_rows(self.packed, self.rows_stored, self.k, stored), stored)
+        return values[:len(index)] + values[len(index):] if self.pair else values
+
+    def dequantise(self) -> torch.Tensor | None:
+        if self.layout is None:
+            return None
+        stored = torch.arange(self.rows_stored, device=self.packed.device)
+        values = self._expand(self.layout.unpack(self.packed, self.rows_stored, self.k), stored)
+        return values[:self.n] + values[self.n:] if self.pair else values
+
+
+KERNELS = {"int4pack": Int4PackKernel, "int4pair": Int4PackKernel, "dequantise": DequantiseKernel}
+
+
+def build_kernel(name: str, q: GroupQuantized, dtype: torch.dtype, device: torch.device | str = "cpu") -> Kernel:
+    if name == "dequantise":
+        return DequantiseKernel(q.to(device), dtype)
+    return Int4PackKernel(q, dtype, device)
+
+
+# --- modules ---------------------------------------------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    """nn.Linear over a quantized weight: `kernel` for few rows, dequantise + F.linear from `large_rows` on."""
+
+    def __init__(self, kernel: Kernel, bias: torch.Tensor | None, large_rows: int | None):
+        super().__init__()
+        self.kernel, self.large_rows = kernel, large_rows
+        self.in_features, self.out_features = kernel.k, kernel.n
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        weight = self.kernel.dequantise() if self.large_rows is not None and flat.shape[0] >= self.large_rows else None
+        y = F.linear(flat, weight) if weight is not None else self.kernel.matmul(flat)  # (M, N)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
+
+
+class QuantEmbedding(nn.Module):
+    """nn.Embedding over a quantized matrix: gather the rows, dequantise only those."""
+
+    def __init__(self, kernel: Kernel, large_rows: int | None = None):
+        super().__init__()
+        self.kernel, self.large_rows = kernel, large_rows  # large_rows: for a head tied to this matrix
+        self.num_embeddings, self.embedding_dim = kernel.n, kernel.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.kernel.rows(ids.reshape(-1))
+        assert rows is not None, "an embedding kernel must support row lookup"
+        return rows.view(*ids.shape, self.embedding_dim)
+
+
+# --- choosing kernels by measurement ----------------------------------------------------------------
+
+
+@dataclass
+class KernelChoice:
+    kind: str  # weight format: int4 or int8
+    dtype: str  # activation dtype
+    kernel: str  # for few rows (decode)
+    large_rows: int | None  # from this many rows on: dequantise the layer, then F.linear
+    why: str
+    seconds: dict[str, float]  # measured: "<kernel>@<rows>" -> seconds per call
+
+    def describe(self) -> str:
+        large = f", dequantise + F.linear from {self.large_rows} rows" if self.large_rows else ""
+        return f"{self.kind} ({self.dtype}): {self.kernel}{large} — {self.why}"
+
+
+PLAN_FORMAT = 2
+_PROBE_SHAPE = (1024, 1024)  # (N, K): 1M weights, big enough to time, small enough to do at load
+_ROW_COUNTS = (1, 16, 64)
+
+
+def _machine_key(device: torch.device) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if device.type == "cuda":
+        cpu = torch.cuda.get_device_name(device)
+    return (f"v{PLAN_FORMAT}|{device.type}|{cpu}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}"
+            f"|{torch.get_num_threads()} threads")
+
+
+def _plan_file() -> Path:
+    from lmcli.default_model import cache_dir
+
+    return cache_dir() / "kernels.json"
+
+
+def _time_interleaved(calls: dict[str, Any], rounds: int = 5, round_seconds: float = 0.004) -> dict[str, float]:
+    """Best seconds per call of each function, timed in turns so that load from other processes
+    falls on all of them alike; the minimum over rounds resists that noise."""
+    repeats = {}
+    for name, fn in calls.items():
+        fn()
+        start = time.perf_counter()
+        fn()
+        repeats[name] = max(1, min(50, int(round_seconds / max(time.perf_counter() - start, 1e-6))))
+    best = dict.fromkeys(calls, float("inf"))
+    spent = dict.fromkeys(calls, 0.0)
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            if spent[name] > 0.2:  # a slow candidate is slow enough to tell after a round or two
+                continue
+            start = time.perf_counter()
+            for _ in range(repeats[name]):
+                fn()
+            took = time.perf_counter() - start
+            spent[name] += took
+            best[name] = min(best[name], took / repeats[name])
+    return best
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(dtype, 2e-2)
+
+
+def _candidates(kind: str, device: torch.device) -> list[str]:
+    has_int4 = hasattr(torch.ops.aten, "_weight_int4pack_mm" if device.type == "cuda" else "_weight_int4pack_mm_for_cpu")
+    return (["int4pack" if kind == "int4" else "int4pair"] if has_int4 else []) + ["dequantise"]
+
+
+MEASURED_DTYPES = (torch.bfloat16, torch.float32)  # compared against each other in one run
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.inference_mode()
+def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES) -> dict[str, KernelChoice]:
+    """Time each candidate kernel for `kind` weights with each activation dtype, all in one interleaved
+    run (so the dtypes are compared under the same load); drop any candidate that fails or is wrong.
+    Returns a choice per dtype name."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(_PROBE_SHAPE, generator=gen) * 0.05
+    q = GroupQuantized.quantize(weight, 4 if kind == "int4" else 8)
+    reference_weight = q.dequantise(torch.float32)
+    rejected: dict[tuple, str] = {}
+    kernels: dict[tuple, Kernel] = {}  # (dtype, kernel name) -> kernel
+    for dtype in dtypes:
+        for name in _candidates(kind, device):
+            try:
+                kernel = build_kernel(name, q, dtype, device)
+                x = torch.randn(4, _PROBE_SHAPE[1], generator=gen)
+                got = kernel.matmul(x.to(device, dtype)).float().cpu()
+                want = F.linear(x, reference_weight)
+                error = ((got - want).abs().max() / want.abs().max()).item()
+                if not error <= _tolerance(dtype):
+                    rejected[dtype, name] = f"off by {error:.1e}"
+                    continue
+            except (RuntimeError, NotImplementedError, AttributeError) as exc:
+                rejected[dtype, name] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+                continue
+            kernels[dtype, name] = kernel
+    inputs = {(dtype, rows): torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype)
+              for dtype in dtypes for rows in _ROW_COUNTS}
+    calls = {}
+    for (dtype, name), kernel in kernels.items():
+        for rows in _ROW_COUNTS:
+            x = inputs[dtype, rows]
+            calls[f"{_dtype_name(dtype)}:{name}@{rows}"] = lambda k=kernel, x=x: k.matmul(x)
+            if rows > 1 and name != "dequantise" and kernel.dequantise() is not None:
+                calls[f"{_dtype_name(dtype)}:{name}+expand@{rows}"] = lambda k=kernel, x=x: F.linear(x, k.dequantise())
+    seconds = _time_interleaved(calls)
+    fastest_decode = min((seconds[f"{_dtype_name(d)}:{n}@1"], _dtype_name(d)) for d, n in kernels)
+    choices = {}
+    for dtype in dtypes:
+        label = _dtype_name(dtype)
+        mine = {key.split(":", 1)[1]: value for key, value in seconds.items() if key.startswith(f"{label}:")}
+        names = [name for d, name in kernels if d == dtype]
+        if not names:
+            continue
+        best = min(names, key=lambda name: mine[f"{name}@1"])
+        others = [f"{name} {mine[f'{best}@1'] / mine[f'{name}@1']:.2f}x" for name in names if name != best]
+        why = f"fastest at 1 row ({', '.join(others) or 'only candidate'} its speed)"
+        if label != fastest_decode[1]:
+            why += f"; {fastest_decode[1]} activations decode {mine[f'{best}@1'] / fastest_decode[0]:.1f}x faster"
+        gone = [f"{name} ({reason})" for (d, name), reason in rejected.items() if d == dtype]
+        if gone:
+            why += "; not used: " + ", ".join(gone)
+        large_rows = None
+        for rows in _ROW_COUNTS[1:]:
+            if mine.get(f"{best}+expand@{rows}", float("inf")) < mine[f"{best}@{rows}"]:
+                large_rows = rows
+                why += f"; from {rows} rows dequantise + F.linear is faster"
+                break
+        choices[label] = KernelChoice(kind, label, best, large_rows, why, mine)
+    return choices
+
+
+def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
+    """The measured choice for `kind` weights and `dtype` activations on this machine (cached on disk).
+
+    LMCLI_KERNEL=<name> forces a kernel (for tests and comparisons); LMCLI_REMEASURE=1 measures again.
+    """
+    device = torch.device(device)
+    forced = os.environ.get("LMCLI_KERNEL")
+    if forced:
+        if forced not in ("int4pack", "int4pair", "dequantise"):
+            from lmcli.errors import UsageError
+
+            raise UsageError(f"LMCLI_KERNEL={forced}: unknown kernel (use int4pack, int4pair or dequantise)")
+        if forced != "dequantise":
+            forced = "int4pack" if kind == "int4" else "int4pair"
+        return KernelChoice(kind, _dtype_name(dtype), forced, None, "forced by LMCLI_KERNEL", {})
+    dtypes = MEASURED_DTYPES if dtype in MEASURED_DTYPES else (dtype,)
+    return _cached_plans(kind, dtypes, device)[_dtype_name(dtype)]
+
+
+@functools.cache
+def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.device) -> dict[str, KernelChoice]:
+    path, machine = _plan_file(), _machine_key(device)
+    entry = f"{kind}|{','.join(map(_dtype_name, dtypes))}"
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        stored = {}
+    if not isinstance(stored, dict):
+        stored = {}
+    known = stored.get(machine, {}).get(entry)
+    if isinstance(known, dict) and not os.environ.get("LMCLI_REMEASURE"):
+        try:
+            return {label: KernelChoice(**fields) for label, fields in known.items()}
+        except TypeError:
+            pass
+    choices = measure(kind, device, dtypes)
+    stored.setdefault(machine, {})[entry] = {label: asdict(choice) for label, choice in choices.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}")
+        temporary.write_text(json.dumps(stored, indent=1) + "\n")
+        os.replace(temporary, path)
+    except OSError:
+        pass  # a read-only cache only means measuring again next time
+    return choices
+
+
+def preferred_dtype(kind: str, device: torch.device | str = "cpu") -> torch.dtype:
+    """The activation dtype whose best kernel for `kind` weights is fastest at one row (decode)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16
+    timings = {}
+    for dtype in MEASURED_DTYPES:
+        choice = kernel_plan(kind, dtype, device)
+        timings[dtype] = choice.seconds.get(f"{choice.kernel}@1", float("inf"))
+    if all(t == float("inf") for t in timings.values()):  # forced kernels: nothing measured
+        return torch.bfloat16 if kind == "int4" else torch.float32
+    return min(timings, key=lambda d: timings[d])
+
+
+# --- installing into a model ------------------------------------------------------------------------
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    owner, _, leaf = path.rpartition(".")
+    return (model.get_submodule(owner) if owner else model), leaf
+
+
+def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], dtype: torch.dtype,
+                      device: torch.device) -> dict[str, KernelChoice]:
+    """Replace the nn.Linear / nn.Embedding owning each `<module>.weight` in `weights` (emptied on the
+    way) by its quantized counterpart; a tied head (`lm_head` with no weight of its own) shares the embedding's kernel.
+
+    Returns the kernel choice per weight format, for reports.
+    """
+    choices: dict[str, KernelChoice] = {}
+    while weights:  # consumed one at a time, so each one's codes go once its kernel is built
+        name, q = weights.popitem()
+        module_path = name.removesuffix(".weight")
+        parent, leaf = _parent(model, module_path)
+        old = getattr(parent, leaf)
+        choice = choices.get(q.kind) or kernel_plan(q.kind, dtype, device)
+        choices[q.kind] = choice
+        kernel_name = choice.kernel
+        if q.group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
+            kernel_name = "dequantise"
+        try:
+            kernel = build_kernel(kernel_name, q, dtype, device)
+        except RuntimeError:  # a shape torch's packing refuses (rows not a multiple of its block, ...)
+            kernel_name = "dequantise"
+            kernel = build_kernel(kernel_name, q, dtype, device)
+        large_rows = choice.large_rows if kernel_name == choice.kernel else None
+        if isinstance(old, nn.Embedding):
+            if kernel.rows(torch.zeros(1, dtype=torch.long, device=device)) is None:
+                kernel = build_kernel("dequantise", q, dtype, device)
+            setattr(parent, leaf, QuantEmbedding(kernel, large_rows))
+        else:
+            bias = None if old.bias is None else torch.empty(old.out_features, dtype=dtype, device=device)
+            setattr(parent, leaf, QuantLinear(kernel, bias, large_rows))  # the bias is filled by name later
+    return choices
+
+
+def tie_quantized_head(model: nn.Module) -> bool:
+    """If the embedding is quantized, make the head a QuantLinear over the same kernel. True if done."""
+    embedding: Any = model.get_submodule("model.embed_tokens")
+    if not isinstance(embedding, QuantEmbedding):
+        return False
+    model.lm_head = QuantLinear(embedding.kernel, None, embedding.large_rows)
+    return True
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """How many weights of each stored form: {"int4pack": n, "float32": n, ...}."""
+    counts: dict[str, int] = {}
+    seen: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, (QuantLinear, QuantEmbedding)) and id(module.kernel) not in seen:
+            seen.add(id(module.kernel))
+            counts[module.kernel.name] = counts.get(module.kernel.name, 0) + module.kernel.n * module.kernel.k
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        key = str(parameter.dtype).removeprefix("torch.")
+        counts[key] = counts.get(key, 0) + parameter.numel()
+    return counts

@@ -1,0 +1,101 @@
+"""Peak resident memory of loading a GGUF and generating from it, against the bound of issue 9:
+
+    peak RSS <= torch's own import footprint + 1.5 x the GGUF file size + the KV cache
+
+Each figure is read in a fresh subprocess (VmHWM from /proc/self/status), so it is that process's own
+peak and nothing this test process holds counts. The bound is independent of lmcli's code: the
+footprint is that of a bare `import torch`, the file size comes from the file system and the KV cache
+from the model's sizes at 4 bytes per value (float32, the widest activation dtype lmcli picks on CPU).
+
+The default model (94 MB Q4_1) runs in `make test`. The synthetic 1.04B-parameter Q4_0 llama (590 MB,
+written once under the lmcli cache, see lmcli/bench_models.py) takes longer and runs with
+LMCLI_TEST_FULL=1 (`make test-full`); under CI=true it runs too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from real_models import smollm2_gguf  # noqa: F401
+
+PROMPT_TOKENS = 16
+NEW_TOKENS = 4
+
+_PEAK = """
+def peak_rss_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+"""
+
+_IMPORT_TORCH = _PEAK + """
+import torch
+print(peak_rss_bytes())
+"""
+
+# quantize is left at its default: a GGUF file keeps its own quantization.
+_LOAD_AND_GENERATE = _PEAK + """
+import json, sys
+import torch
+import lmcli
+
+path, prompt_tokens, new_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+model, tokenizer = lmcli.load(path)
+prompt = torch.randint(3, model.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+with torch.inference_mode():
+    out = model.generate(prompt, new_tokens, False)
+c = model.config
+print(json.dumps({"peak": peak_rss_bytes(), "generated": out.shape[1] - prompt_tokens,
+                  "layers": c.num_hidden_layers, "kv_heads": c.num_key_value_heads, "head_dim": c.head_dim}))
+"""
+
+
+def _run(script: str, *args: str, cache_dir: Path) -> str:
+    if not Path("/proc/self/status").exists():
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
+    env = {**os.environ, "LMCLI_CACHE_DIR": str(cache_dir)}  # a first run: nothing cached yet
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def torch_import_bytes(tmp_path_factory) -> int:
+    return int(_run(_IMPORT_TORCH, cache_dir=tmp_path_factory.mktemp("cache")))
+
+
+def _check_bound(gguf_path: Path, torch_import_bytes: int, cache_dir: Path) -> None:
+    run = json.loads(_run(_LOAD_AND_GENERATE, str(gguf_path), str(PROMPT_TOKENS), str(NEW_TOKENS),
+                          cache_dir=cache_dir))
+    assert run["generated"] == NEW_TOKENS
+    kv_cache = 2 * run["layers"] * run["kv_heads"] * run["head_dim"] * (PROMPT_TOKENS + NEW_TOKENS) * 4
+    file_size = gguf_path.stat().st_size
+    bound = torch_import_bytes + 1.5 * file_size + kv_cache
+    mib = 2**20
+    assert run["peak"] <= bound, (
+        f"{gguf_path.name}: peak RSS {run['peak'] / mib:.0f} MiB > bound {bound / mib:.0f} MiB "
+        f"(import torch {torch_import_bytes / mib:.0f} MiB + 1.5 x file {file_size / mib:.0f} MiB "
+        f"+ KV cache {kv_cache / mib:.1f} MiB)")
+
+
+def test_default_model_peak_memory_within_bound(smollm2_gguf, torch_import_bytes, tmp_path):
+    for _ in range(2):  # a first run (nothing cached) and a second one (whatever the first kept)
+        _check_bound(smollm2_gguf, torch_import_bytes, tmp_path)
+
+
+@pytest.mark.skipif(not (os.environ.get("LMCLI_TEST_FULL") or os.environ.get("CI") == "true"),
+                    reason="the 1B model takes a minute or more; run with LMCLI_TEST_FULL=1 (make test-full)")
+def test_synthetic_1b_q4_0_peak_memory_within_bound(torch_import_bytes, tmp_path):
+    from lmcli.bench_models import SyntheticLlama, synthetic_llama_gguf
+
+    path = synthetic_llama_gguf()  # written once under the lmcli cache, reused after
+    assert SyntheticLlama().parameter_count() >= 1_000_000_000
+    _check_bound(path, torch_import_bytes, tmp_path)
