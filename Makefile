@@ -40,7 +40,7 @@ test: install-test lint
 # Also the slow cases: the real SmolLM2 over 3 tensor-parallel torchrun ranks, and the synthetic
 # 1B-parameter Q4_0 model's peak memory (tests/test_memory.py).
 test-full: install-test lint
-	LMCLI_TEST_FULL=1 $(PYTHON) -m pytest -q
+	LMCLI_TEST_FULL=1 $(PYTHON) -m pytest -q -m 'full or not full'
 
 bench: install-test
 	$(PYTHON) -m lmcli bench

@@ -8,7 +8,6 @@ which tests/test_models_parity.py checks against transformers.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -27,7 +26,6 @@ from lmcli.errors import UsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
-FULL = os.environ.get("LMCLI_TEST_FULL") == "1"
 
 
 def free_port() -> int:
@@ -141,7 +139,7 @@ def test_tp_needs_torchrun_and_safetensors(tmp_path, tiny_checkpoint):
         lmcli.load(gguf, tp=2)
 
 
-@pytest.mark.skipif(not FULL, reason="the real-model --tp 3 run takes minutes: make test-full")
+@pytest.mark.full  # minutes: make test-full
 def test_smollm2_tp3_equals_single_process(tmp_path, smollm2_gguf):
     """SmolLM2-135M (9 query, 3 key/value heads) dequantised to a float HF directory, --tp 3."""
     converted = run_lmcli("convert", str(smollm2_gguf), str(tmp_path / "smollm2"), timeout=600)
