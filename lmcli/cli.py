@@ -301,6 +301,25 @@ ColorProbsOption = Annotated[
 ]
 
 
+# The decoding flags `generate` and `chat` both take, by parameter name.
+DECODING_FLAGS = ("max_new_tokens", "temperature", "greedy", "top_k", "top_p", "min_p", "typical_p",
+                  "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
+                  "min_new_tokens", "seed", "ignore_eos")
+
+
+def _settings_from_flags(flags: dict[str, Any], **others: Any):
+    """GenerationSettings from a command's decoding flags (its locals()) and `others`."""
+    from lmcli.jobs import unescape_line
+    from lmcli.settings import GenerationSettings, parse_logit_bias
+
+    return GenerationSettings.from_flags(
+        **{name: flags[name] for name in DECODING_FLAGS},
+        logit_bias=parse_logit_bias(flags["logit_bias"]),
+        stop=[unescape_line(text) for text in flags["stop"] or ()],  # '\n' is a newline, as in text input files
+        **others,
+    )
+
+
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
           tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
@@ -427,34 +446,12 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.jobs import unescape_line
-    from lmcli.settings import GenerationSettings, parse_logit_bias, read_model_defaults
+    from lmcli.settings import read_model_defaults
 
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
-    settings = GenerationSettings.from_flags(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        greedy=greedy,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        typical_p=typical_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        min_new_tokens=min_new_tokens,
-        logit_bias=parse_logit_bias(logit_bias),
-        seed=seed,
-        stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
-        ignore_eos=ignore_eos,
-        chat=chat,
-        system=system,
-        logprobs=logprobs,
-        truncate=not no_truncate,
-    )
+    settings = _settings_from_flags(locals(), chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
@@ -703,29 +700,9 @@ def chat(
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
     from lmcli.chat import ChatOptions, run_chat
-    from lmcli.jobs import unescape_line
-    from lmcli.settings import GenerationSettings, parse_logit_bias, read_model_defaults
+    from lmcli.settings import read_model_defaults
 
-    settings = GenerationSettings.from_flags(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        greedy=greedy,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        typical_p=typical_p,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=presence_penalty,
-        frequency_penalty=frequency_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        min_new_tokens=min_new_tokens,
-        logit_bias=parse_logit_bias(logit_bias),
-        seed=seed,
-        stop=[unescape_line(text) for text in stop or ()],
-        ignore_eos=ignore_eos,
-        chat=True,
-        system=system,
-    )
+    settings = _settings_from_flags(locals(), chat=True, system=system)
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
@@ -883,12 +860,10 @@ def info(
 
 
 def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
-    """The file's own quantization (GGUF), the kernels chosen for it and why, what the cache holds."""
-    from lmcli.default_model import describe_cache, gguf_tensor_types
+    """The kernels chosen for the quantized weights and why, and what the cache holds."""
+    from lmcli.default_model import describe_cache
 
     facts = []
-    if checkpoint.suffix == ".gguf":
-        facts.append(("file quantization", gguf_tensor_types(checkpoint)))
     for kind, choice in getattr(loaded, "kernel_choices", {}).items():
         facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
     facts.append(("cache", describe_cache(checkpoint)))

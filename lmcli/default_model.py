@@ -258,38 +258,18 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
 # --- what `lmcli info` says about weights and the cache ------------------------------------------------
 
 
-def _human_bytes(count: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{int(count)} bytes"
-
-
 def describe_weights(model) -> str:
     """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
+    from lmcli.console import human_count
+
     counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
-    return ", ".join(f"{form} {_count(n)}" for form, n in counts)
-
-
-def _count(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
-
-
-def gguf_tensor_types(path: Path) -> str:
-    """The tensor types of a GGUF file and how many tensors each: "Q4_1 (210), F32 (61), Q8_0 (1)"."""
-    from collections import Counter
-
-    from lmcli.io.gguf_reader import read_gguf_header
-
-    counts = Counter(info.type_name for info in read_gguf_header(path).tensors.values())
-    return ", ".join(f"{name} ({n})" for name, n in counts.most_common())
+    return ", ".join(f"{form} {human_count(n)}" for form, n in counts)
 
 
 def describe_cache(checkpoint: Path) -> str:
     """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
+    from lmcli.console import human_bytes
+
     root = cache_dir()
     entries = []
     if checkpoint.suffix == ".gguf" and (root / "dequantised").is_dir():
@@ -299,7 +279,7 @@ def describe_cache(checkpoint: Path) -> str:
             key = manifest.get("key", {}) if isinstance(manifest, dict) else {}
             if key.get("source") == source:
                 size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-                entries.append(f"a dequantised {key.get('dtype')} copy, {_human_bytes(size)} (used by --quantize none)")
+                entries.append(f"a dequantised {key.get('dtype')} copy, {human_bytes(size)} (used by --quantize none)")
     kernels = root / "kernels.json"
     if kernels.is_file():
         entries.append(f"measured kernel choices ({kernels.name})")
