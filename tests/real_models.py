@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,11 +77,11 @@ def _one_gguf_parse_per_file():
             readers[key] = real(path, mode)
         return readers[key]
 
-    gguf.GGUFReader = shared
+    gguf.GGUFReader = shared  # type: ignore[misc,assignment]  # patched for the duration, restored below
     try:
         yield
     finally:
-        gguf.GGUFReader = real
+        gguf.GGUFReader = real  # type: ignore[misc]  # restoring the class patched above
 
 
 # TEXT_PROMPTS (lmcli.bench_models, shared with `lmcli bench`): five real prompts per model for the
@@ -89,7 +89,7 @@ def _one_gguf_parse_per_file():
 GREEDY_TOKENS = 32
 
 
-def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: list[list[int]] = (),
+def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompts: Sequence[Sequence[int]] = (),
                            greedy_tokens: int = GREEDY_TOKENS) -> dict[str, Any]:
     """transformers' own reading of `gguf_path` (`from_pretrained(dir, gguf_file=...)`, float32, CPU).
 

@@ -20,7 +20,7 @@ import sys
 import termios
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import pytest
 import torch
@@ -273,11 +273,14 @@ def test_generate_on_a_chat_model_is_raw_completion_unless_chat(tiny_checkpoint)
 
 
 def test_chat_has_every_generation_flag_of_generate():
+    from typer.core import TyperGroup
     from typer.main import get_command
 
     from lmcli.cli import app
 
-    commands = get_command(app).commands
+    group = get_command(app)
+    assert isinstance(group, TyperGroup)
+    commands = group.commands
     shared_panels = ("Decoding", "Stopping")
 
     def flags(name):
@@ -485,7 +488,7 @@ def test_color_probs_in_a_terminal_shades_the_streamed_text(tiny_checkpoint):
     term.finish()
     # Each piece takes the colour of its least likely token, so every colour shown is one that some
     # token's probability (from the JSON logprobs, computed apart from the colouring) calls for.
-    expected = {probability_style(math.exp(step["logprob"])) for step in row["logprobs"]} - {None}
+    expected = cast(set[str], {probability_style(math.exp(step["logprob"])) for step in row["logprobs"]} - {None})
     assert expected, "every token had p >= 0.9: nothing to colour"
     streamed = term.raw.decode("utf-8", "replace").rpartition(prompt)[2]  # after the (dim) prompt echo
     shown = set(re.findall(r"\x1b\[([0-9;]+)m", streamed)) - {"0", "2"}
@@ -505,7 +508,7 @@ def test_markdown_redraws_the_finished_reply_rendered():
     view = _ReplyView(console, terminal=True, options=ChatOptions(markdown=True))
     reply = "Rivers:\n\n- **Danube**\n- Rhine"
     for piece in ("Rivers:\n\n", "- **Danube**\n", "- Rhine"):
-        view.write(None, piece)
+        view.write(None, piece)  # type: ignore[arg-type]  # no shading: the row is never read
     view.end(reply, interrupted=False)
     final = ANSI.sub("", out.getvalue()).rpartition("Rivers:")[2]  # the last redraw of the live region
     assert "• Danube" in final and "• Rhine" in final and "**" not in final

@@ -247,8 +247,8 @@ def test_resume_takes_up_what_ranks_left(one_process_job, tiny_checkpoint):
 
     output.write_text(lines[0] + "\n")
     Path(f"{output}.part1").write_text("\n".join(lines[1:4]) + "\n")
-    result = CliRunner().invoke(app, args[2:])
-    assert "4 already done" in result.stderr
+    invoked = CliRunner().invoke(app, args[2:])
+    assert "4 already done" in invoked.stderr
     merged = read_rows(output)
     assert len(merged) == len(ids) and {str(row["id"]): row for row in merged} == rows
     assert not list(root.glob("resumed.jsonl.part*"))

@@ -15,6 +15,7 @@ import os
 import signal
 import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -130,7 +131,13 @@ def test_safetensors_tensor_entries(tmp_path, dtype, shape, start, end):
 
 # --- config.json and index files -------------------------------------------------------------------------
 
-PRESET_FIELDS = sorted({name for preset in registry.list_presets() for name in registry.preset_config(preset)})
+def preset_config(name: str) -> dict[str, Any]:
+    config = registry.preset_config(name)
+    assert config is not None  # a listed preset has its config
+    return config
+
+
+PRESET_FIELDS = sorted({name for preset in registry.list_presets() for name in preset_config(preset)})
 
 
 @fuzz
@@ -138,7 +145,7 @@ PRESET_FIELDS = sorted({name for preset in registry.list_presets() for name in r
        changes=st.dictionaries(st.sampled_from(PRESET_FIELDS), json_values, max_size=3))
 def test_config_fields_of_any_value(preset, changes):
     """A real config with some fields replaced by any JSON: a ModelConfig or a ConfigError."""
-    hf = {**registry.preset_config(preset), **changes}
+    hf = {**preset_config(preset), **changes}
     only_lmcli_errors(lambda: registry.config_from_hf(hf, source="config.json"))
 
 

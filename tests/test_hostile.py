@@ -287,6 +287,7 @@ def test_a_closed_pipe_ends_quietly_with_exit_0(tiny_checkpoint, tmp_path, batch
         args += ["hello"]
     job = subprocess.Popen([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), *map(str, args)],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=subprocess_env())
+    assert job.stdout is not None and job.stderr is not None
     assert job.stdout.read(1)  # the first output arrived; now the reader goes away
     job.stdout.close()
     stderr = job.stderr.read().decode()
@@ -328,6 +329,7 @@ def test_hostile_chat_templates_fail_in_one_line_before_using_memory(template_di
 
     with_template(template_dir, template)
     tokenizer = load_tokenizer(template_dir)
+    assert tokenizer is not None
     tracemalloc.start()
     try:
         with pytest.raises(TokenizerError) as error:
@@ -346,7 +348,9 @@ def test_a_template_that_runs_forever_is_stopped(template_dir, monkeypatch):
     monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.5)
     with_template(template_dir, "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
     with pytest.raises(TokenizerError, match=r"chat template failed: rendering took longer than 0.5 s$"):
-        load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+        tokenizer = load_tokenizer(template_dir)
+        assert tokenizer is not None
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
 def test_the_cli_names_the_checkpoint_and_exits_1(template_dir):
@@ -363,7 +367,9 @@ def test_ordinary_template_operations_still_work(template_dir):
     with_template(template_dir, "{{ 'ab' * 3 }}|{{ [1] + [2] }}|{{ 'x' ~ 'y' }}|{{ '%s-%d' % ('a', 2) }}|"
                                 "{{ '{}!'.format('hi') }}|{{ 2 ** 10 }}|{{ 'a'|center(5) }}|{{ ['p', 'q']|join(',') }}|"
                                 "{{ messages[0]['content'] | replace('h', 'H') }}")
-    rendered = load_tokenizer(template_dir).apply_chat_template([{"role": "user", "content": "hi"}])
+    tokenizer = load_tokenizer(template_dir)
+    assert tokenizer is not None
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "ababab|[1, 2]|xy|a-2|hi!|1024|  a  |p,q|Hi"
 
 
@@ -442,7 +448,9 @@ def test_a_prompt_longer_than_the_context_is_cut_once_with_a_warning(tiny_checkp
     from lmcli.io.tokenizer import load_tokenizer
 
     prompt = "The quick brown fox jumps over the lazy dog. " * 80
-    ids = load_tokenizer(tiny_checkpoint).encode(prompt)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    assert tokenizer is not None
+    ids = tokenizer.encode(prompt)
     assert len(ids) > 512
     result = cli_generate(tiny_checkpoint, "--ignore-eos", "-n", 16, "--logprobs", 0, prompt)
     assert result.exit_code == 0, result.stderr

