@@ -206,15 +206,15 @@ TokenizerOption = Annotated[
         help="A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
     ),
 ]
-DeviceOption = Annotated[Device, typer.Option("--device", rich_help_panel=MODEL_PANEL, help="Where to run.")]
+DeviceOption = Annotated[Device, typer.Option("--device", metavar="[auto|cpu|cuda]", rich_help_panel=MODEL_PANEL, help="Where to run.")]
 DTypeOption = Annotated[
-    DType, typer.Option("--dtype", rich_help_panel=MODEL_PANEL,
+    DType, typer.Option("--dtype", metavar="[auto|float32|bfloat16|float16]", rich_help_panel=MODEL_PANEL,
                         help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
 ]
 QuantizeOption = Annotated[
     Quantize | None,
     typer.Option(
-        "--quantize", "-q", show_default=False, rich_help_panel=MODEL_PANEL,
+        "--quantize", "-q", metavar="[none|int4|int8]", show_default=False, rich_help_panel=MODEL_PANEL,
         help="Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
              "Default: a GGUF file's own quantization, other checkpoints as stored.",
     ),
@@ -231,21 +231,21 @@ MaxNewTokensOption = Annotated[
 ]
 TemperatureOption = Annotated[
     float | None,
-    typer.Option(
+    typer.Option(metavar="T",
         show_default=False, rich_help_panel=DECODING_PANEL,
         help=f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.",
     ),
 ]
 TopKOption = Annotated[
-    int | None, typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
+    int | None, typer.Option(metavar="K", show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
 ]
 TopPOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
+    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
 ]
 RepetitionPenaltyOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
+    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
 ]
 GreedyOption = Annotated[
     bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
@@ -263,19 +263,19 @@ IgnoreEosOption = Annotated[
 ]
 MinPOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
+    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
 ]
 TypicalPOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
+    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
 ]
 PresencePenaltyOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
+    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
 ]
 FrequencyPenaltyOption = Annotated[
     float | None,
-    typer.Option(show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
+    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
 ]
 NoRepeatNgramSizeOption = Annotated[
     int | None,
@@ -385,7 +385,7 @@ def generate(
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
     ] = False,
     system: Annotated[
-        str | None, typer.Option(show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
+        str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
     ] = None,
     no_truncate: Annotated[
         bool, typer.Option("--no-truncate", metavar="", rich_help_panel=PROMPT_PANEL,
@@ -393,7 +393,7 @@ def generate(
     ] = False,
     output_format: Annotated[
         OutputFormat | None,
-        typer.Option("--format", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
+        typer.Option("--format", metavar="[text|jsonl]", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
     ] = None,
     logprobs: Annotated[
         int | None,
@@ -419,7 +419,7 @@ def generate(
     ] = None,
     batch_size: Annotated[
         int | None,
-        typer.Option(min=1, show_default=False, rich_help_panel=JOBS_PANEL, help="Rows per batch (default: 8 on CPU, 32 on GPU)."),
+        typer.Option(metavar="INT", min=1, show_default=False, rich_help_panel=JOBS_PANEL, help="Rows per batch (default: 8 on CPU, 32 on GPU)."),
     ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", metavar="", rich_help_panel=JOBS_PANEL, help="Finish an interrupted job: keep the rows already in --output, run the rest.")
@@ -920,18 +920,18 @@ def bench(
         help="lmcli weight formats, comma-separated: float (quantize=none, --dtype), native (the GGUF's own "
              f"quantization), int4, int8 (--quantize). Default: {','.join(_BENCH.formats)}.")] = None,
     max_new_tokens: Annotated[int | None, typer.Option(
-        "--max-new-tokens", "-n", min=2, show_default=False, rich_help_panel=_BENCH_PANEL,
+        "--max-new-tokens", "-n", metavar="INT", min=2, show_default=False, rich_help_panel=_BENCH_PANEL,
         help=f"New tokens per decode run. Default: {_BENCH.new_tokens}.")] = None,
-    batch_size: Annotated[int | None, typer.Option(
+    batch_size: Annotated[int | None, typer.Option(metavar="INT",
         min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
         help=f"Decode runs at batch 1 and at this batch size. Default: {max(_BENCH.batch_sizes)}.")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option(
+    prompt_tokens: Annotated[int | None, typer.Option(metavar="INT",
         min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
         help=f"Prompt length before the decode runs. Default: {_BENCH.prompt_tokens}.")] = None,
-    prefill_tokens: Annotated[int | None, typer.Option(
+    prefill_tokens: Annotated[int | None, typer.Option(metavar="INT",
         min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
         help=f"Prompt length of the prefill / time-to-first-token run. Default: {_BENCH.prefill_tokens}.")] = None,
-    repeats: Annotated[int | None, typer.Option(
+    repeats: Annotated[int | None, typer.Option(metavar="INT",
         min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
         help=f"Interleaved rounds; the figures are their medians. Default: {_BENCH.repeats}.")] = None,
     contexts: Annotated[str | None, typer.Option(
@@ -943,15 +943,15 @@ def bench(
         help="Batch sizes for lmcli's decode scaling, comma-separated ('' for none). "
              f"Default: {','.join(map(str, _BENCH.scaling_batches))}.")] = None,
     skip_quality: Annotated[bool, typer.Option(
-        "--no-quality", rich_help_panel=_BENCH_PANEL,
+        "--no-quality", metavar="", rich_help_panel=_BENCH_PANEL,
         help="Skip the quality figures (greedy agreement and KL divergence of quantized formats).")] = False,
     quick: Annotated[bool, typer.Option(
-        "--quick", rich_help_panel=_BENCH_PANEL,
+        "--quick", metavar="", rich_help_panel=_BENCH_PANEL,
         help="One round, no 4k context or batch 32, a shorter quality check.")] = False,
-    threads: Annotated[int | None, typer.Option(
+    threads: Annotated[int | None, typer.Option(metavar="INT",
         min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
         help="Threads per engine. Default: torch's thread count.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON instead of tables.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the results as JSON instead of tables.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
