@@ -10,9 +10,14 @@ Job semantics (this is what the README documents):
 - A `.jsonl` file whose first row is an OpenAI batch request is read as such
   (openai_batch.py); its rows are keyed by `custom_id` and answered with
   OpenAI batch response rows.
-- Row fields override the command-line flags (and the model's own defaults)
-  for that row. A row that sets `top_k` or `top_p` replaces both;
-  `temperature: 0` makes the row greedy.
+- Precedence: command-line flag > row field > the model's own defaults >
+  lmcli's defaults. A row's field that a flag overrides is still checked
+  (a bad value is that row's error), then dropped silently (no per-row
+  warning). Top-k/top-p are one unit: a flag that sets either keeps a row's
+  pair out; otherwise a row that sets either replaces both. `--greedy` (or
+  `--temperature 0`) makes every row greedy; without a temperature flag a
+  row's `temperature: 0` makes that row greedy. `--stop` replaces a row's
+  `stop`.
 - Output order: **completion order**. Each row is written, tagged by its `id`,
   the moment it finishes, as one complete line that is flushed and fsync'd.
   (Input order would mean holding finished rows back until every earlier row
@@ -157,7 +162,7 @@ def is_openai_file(data: bytes) -> bool:
 
 
 def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    """An OpenAI batch request (see openai_batch.py); its body overrides the flags as a row's fields do."""
+    """An OpenAI batch request (see openai_batch.py); its body's fields rank as a row's do (under the flags)."""
     from lmcli import openai_batch
 
     try:

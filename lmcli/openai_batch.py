@@ -9,8 +9,8 @@ A response row: {"id": "batch_req_…", "custom_id": "a",
 A failed row has "response": null and "error": {"code", "message"}. The "lmcli" member is lmcli's own
 record (what --resume checks); OpenAI's and vLLM's readers ignore members they do not know.
 
-Body fields map onto lmcli's row settings (so they override the command-line flags as a row's
-fields do); a field lmcli does not know, or knows but cannot honour (n > 1, stream, echo), makes
+Body fields map onto lmcli's row settings (so they rank as a row's fields do: over the model's
+defaults, under the command-line flags); a field lmcli does not know, or knows but cannot honour (n > 1, stream, echo), makes
 that row an error row instead of being dropped silently.
 """
 

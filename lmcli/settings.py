@@ -2,9 +2,14 @@
 
 Four layers decide each setting, the first that sets it wins:
 
-    a job row's field > a command-line flag > the model's own defaults > lmcli's defaults
+    a command-line flag > a job row's field > the model's own defaults > lmcli's defaults
 
-(a row is the more specific: it overrides the flags for that row, as the job format always did).
+(what the user typed for this run wins over what the input file asks for, and a row wins over the
+model's and lmcli's defaults). A row's value that a flag overrides is still checked, then dropped
+without a word (no warning per row). Top-k and top-p are one unit: a flag that sets either keeps the
+row's pair out; otherwise a row that sets either replaces both. A greedy flag (--greedy,
+--temperature 0) makes every row greedy and drops the rows' sampling-only settings; a row's
+`temperature: 0`, when no --temperature/--greedy flag was given, makes that row greedy.
 The model's defaults come from `generation_config.json` (HF directories) or the GGUF
 `general.sampling.*` keys (`read_model_defaults`). Each setting remembers where it came from
 (`sources`), which `lmcli info`, `--stats` and JSONL rows show.
@@ -139,7 +144,9 @@ class GenerationSettings:
         return settings
 
     def for_row(self, row: dict) -> GenerationSettings:
-        """These settings with a JSONL row's overrides; raises RowError naming the field."""
+        """These settings with a JSONL row's fields, which fill what no flag set; raises RowError naming
+        the field. Every field the row gives is checked (on its own, as one layer), even one a flag
+        overrides; an overridden field is then dropped silently."""
         changes: dict[str, Any] = {}
         for name in INTEGER_SETTINGS:
             if name in row:
@@ -166,21 +173,34 @@ class GenerationSettings:
             if not self.chat:
                 raise RowError('"system" only applies with --chat')
             changes["system"] = row["system"]
+        # The row on its own, as a layer (as a model's defaults are checked): its values are its own
+        # business whether or not a flag overrides them.
+        GenerationSettings(**changes, chat=self.chat).check(lambda name: f'"{name}"', RowError)
+        # A flag wins: the row's value for anything a flag set is dropped (silently; see the module doc).
+        flagged = {name for name, where in self.sources.items() if where == FLAG}
+        if flagged & set(TRUNCATION):
+            flagged |= set(TRUNCATION)  # the flags' truncation stands whole
+        if self.source("temperature") == FLAG and self.temperature == 0:
+            flagged |= set(WARPERS)  # a greedy flag makes every row greedy
+        changes = {name: value for name, value in changes.items() if name not in flagged}
+        given = set(changes)
         sources = dict(self.sources)
         for name in changes:
             sources[name] = ROW
         if any(name in changes for name in TRUNCATION):
-            # Truncation comes from the row as a whole, or it would clash with a flag.
+            # Truncation comes from the row as a whole (no flag set any), replacing the model's.
             for name in TRUNCATION:
                 changes.setdefault(name, None)
                 sources[name] = ROW
         if changes.get("temperature") == 0:
-            for name in WARPERS:  # a greedy row drops the flags' sampling-only settings
-                if name not in row:
+            # A greedy row (no temperature flag): sampling-only settings it did not give itself have no
+            # effect, whether from the flags or the model's or lmcli's defaults; drop them.
+            for name in WARPERS:
+                if name not in given:
                     changes[name] = None
                     sources.pop(name, None)
         settings = dataclasses.replace(self, **changes, sources=sources)._with_model_layer()
-        settings.check(lambda name: f'"{name}"', RowError)
+        settings.check(settings._name_by_source, RowError)
         return settings
 
     def with_model_defaults(self, defaults: ModelDefaults) -> GenerationSettings:

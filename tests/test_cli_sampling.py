@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
     SequenceBiasLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
+    TopPLogitsWarper,
     TypicalLogitsWarper,
 )
 from typer.testing import CliRunner
@@ -171,3 +172,37 @@ def test_info_shows_each_default_and_its_source(with_defaults):
     assert "default top_k: 10 (generation_config.json)" in [line.replace(str(with_defaults) + "/", "") for line in lines]
     assert "default top_p: off (lmcli default)" in lines
     assert "default max_new_tokens: 9 (" in result.stdout
+
+
+def test_flag_beats_row_beats_model_default(with_defaults, loaded):
+    """Issue 10's order end to end: a flag > a job row > the model's generation_config.json > lmcli."""
+    job = with_defaults.parent / "precedence-job.jsonl"
+    SHOWN = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty")
+
+    def run_job(row, *flags) -> dict:
+        job.write_text(json.dumps({"prompt": "Once upon", **row}) + "\n")
+        result = cli("generate", "-c", with_defaults, "--input", job, "--logprobs", 0, "--ignore-eos", *flags)
+        assert result.exit_code == 0, result.stderr
+        assert result.stderr.strip() == ""  # a flag beating a row is silent
+        out = json.loads(result.stdout)
+        out["settings"] = {name: out["settings"][name] for name in SHOWN if out["settings"].get(name) is not None}
+        return out
+
+    row = run_job({"temperature": 0.5, "top_k": 5, "repetition_penalty": 1.1, "max_new_tokens": 12, "seed": 4},
+                  "--temperature", 0.9, "--top-p", 0.8)
+    # temperature and truncation from the flags (the row's top_k does not mix in), the repetition penalty
+    # and max_new_tokens from the row (not the model's 1.2 and 9), the seed from the row
+    assert row["settings"] == {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.8, "repetition_penalty": 1.1}
+    assert row["seed"] == 4
+    processors = [RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.9), TopPLogitsWarper(0.8)]
+    assert ids_of(row) == direct(loaded, "Once upon", 12, True, processors, seed=4)
+
+    # a greedy flag makes a sampling row greedy (the model's top-k does not apply)
+    greedy = direct(loaded, "Once upon", 6, False, [RepetitionPenaltyLogitsProcessor(1.2)])
+    row = run_job({"temperature": 0.5, "top_k": 5, "max_new_tokens": 6}, "--greedy")
+    assert row["settings"] == {"max_new_tokens": 6, "temperature": 0.0, "repetition_penalty": 1.2}
+    assert ids_of(row) == greedy
+    # with no temperature flag, a row's temperature 0 beats the model's 0.7 and drops its top-k
+    row = run_job({"temperature": 0, "max_new_tokens": 6})
+    assert row["settings"] == {"max_new_tokens": 6, "temperature": 0.0, "repetition_penalty": 1.2}
+    assert ids_of(row) == greedy

@@ -15,7 +15,7 @@ from lmcli import streaming
 from lmcli.errors import LmcliError, UsageError
 from lmcli.generation.rows import PreparedRow, plan_batches
 from lmcli.jobs import read_finished, read_rows, run_job, unescape_line
-from lmcli.settings import GenerationSettings, RowError, input_hash
+from lmcli.settings import GenerationSettings, ModelDefaults, RowError, input_hash
 from lmcli.streaming import RowText, StopMatcher
 
 # ----------------------------------------------------------------------------- stop strings
@@ -151,12 +151,18 @@ def test_flag_defaults_and_greedy_spellings():
     assert GenerationSettings.from_flags(greedy=True, temperature=0).greedy
 
 
-def test_row_overrides():
+def test_flags_win_over_row_fields():
     base = GenerationSettings.from_flags(top_k=40, max_new_tokens=10)
-    assert base.for_row({"top_p": 0.5}) == GenerationSettings.from_flags(top_p=0.5, max_new_tokens=10)
-    assert base.for_row({"temperature": 0}).greedy  # greedy rows drop the flags' top-k
-    assert base.for_row({"stop": "x"}).stop == ("x",)
-    assert base.for_row({"seed": 7, "max_new_tokens": 3}).seed == 7
+    assert base.for_row({"top_p": 0.5}) == base  # the flags' truncation stands whole
+    assert base.for_row({"max_new_tokens": 3}).max_new_tokens == 10  # a flag beats the row
+    assert base.for_row({"temperature": 0}).greedy  # no temperature flag: the row is greedy, the top-k moot
+    assert base.for_row({"stop": "x"}).stop == ("x",)  # no --stop flag: the row's
+    assert GenerationSettings.from_flags(stop=["y"]).for_row({"stop": "x"}).stop == ("y",)
+    assert base.for_row({"seed": 7}).seed == 7
+    assert base.for_row({"seed": 7}).source("seed") == "row"
+    greedy = GenerationSettings.from_flags(greedy=True)
+    assert greedy.for_row({"temperature": 0.7, "top_p": 0.5}) == greedy  # a greedy flag makes every row greedy
+    # the row's values are still checked, even those a flag overrides
     with pytest.raises(RowError, match='"top_p" must be in'):
         base.for_row({"top_p": 2})
     with pytest.raises(RowError, match='"max_new_tokens" must be an integer'):
@@ -290,7 +296,9 @@ def write_jsonl(path, rows):
 
 
 def job(tmp_path, input_path, output, **kwargs):
-    settings = kwargs.pop("settings", GenerationSettings.from_flags(max_new_tokens=4))
+    # max_new_tokens=4 as the model's default (not a flag), so a row's own max_new_tokens still applies
+    settings = kwargs.pop("settings", None) or GenerationSettings.from_flags().with_model_defaults(
+        ModelDefaults({"max_new_tokens": 4}, "generation_config.json"))
     return run_job(input_path, output, settings, load=lambda: (FakeModel(), ByteTokenizer()), batch_size=2,
                    show_progress=False, **kwargs)
 

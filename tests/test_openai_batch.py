@@ -113,6 +113,19 @@ def test_chat_and_completion_rows_equal_model_generate(tmp_path, tiny_checkpoint
         assert body["system_fingerprint"] == row["lmcli"]["model"]["fingerprint"]
 
 
+
+def test_flags_win_over_body_fields(tmp_path, tiny_checkpoint, reference):
+    """A command-line flag beats the same setting in a request body, as it beats a row's field."""
+    rows = [completion("flagged", "Once upon a time", temperature=1.3, top_k=5, seed=3, max_tokens=2)]
+    result, out = run_job(tmp_path, rows, "--greedy", checkpoint=tiny_checkpoint)  # and -n NEW
+    assert result.exit_code == 0, result.output
+    assert "override" not in result.output  # silently
+    [row] = read_jsonl(out)
+    assert row["error"] is None
+    body = row["response"]["body"]
+    assert body["choices"][0]["text"] == reference("Once upon a time")["text"]
+    assert body["usage"]["completion_tokens"] == NEW
+
 def test_logprobs_in_both_shapes_equal_the_model_distribution(tmp_path, tiny_checkpoint, reference):
     rows = [chat("c", "Hello", temperature=0, logprobs=True, top_logprobs=3),
             completion("t", "Hello", temperature=0, logprobs=2)]

@@ -1,5 +1,5 @@
 """The model's own sampling defaults (generation_config.json, GGUF general.sampling.*) and their
-precedence: a job row > a command-line flag > the model's defaults > lmcli's defaults."""
+precedence: a command-line flag > a job row > the model's defaults > lmcli's defaults."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ MODEL = ModelDefaults({"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetitio
                        "max_new_tokens": 64}, "generation_config.json")
 
 
-def test_precedence_row_over_flag_over_model_over_lmcli():
+def test_precedence_flag_over_row_over_model_over_lmcli():
     plain = GenerationSettings.from_flags()
     assert (plain.temperature, plain.max_new_tokens) == (DEFAULT_TEMPERATURE, DEFAULT_MAX_NEW_TOKENS)
     assert plain.source("temperature") == "lmcli default"
@@ -98,9 +98,15 @@ def test_precedence_row_over_flag_over_model_over_lmcli():
     assert (flagged.temperature, flagged.max_new_tokens, flagged.top_k) == (1.1, 5, 20)
     assert flagged.source("temperature") == "flag"
 
-    row = flagged.for_row({"temperature": 0.3, "repetition_penalty": 1.05})
-    assert (row.temperature, row.repetition_penalty, row.max_new_tokens, row.top_k) == (0.3, 1.05, 5, 20)
-    assert row.source("temperature") == "row" and row.source("max_new_tokens") == "flag"
+    # the flags beat the row; the row beats the model's defaults
+    row = flagged.for_row({"temperature": 0.3, "repetition_penalty": 1.05, "max_new_tokens": 7})
+    assert (row.temperature, row.repetition_penalty, row.max_new_tokens, row.top_k) == (1.1, 1.05, 5, 20)
+    assert row.source("temperature") == "flag" and row.source("max_new_tokens") == "flag"
+    assert row.source("repetition_penalty") == "row" and row.source("top_k") == "generation_config.json"
+    # with no flags, the row beats the model's defaults
+    unflagged = plain.with_model_defaults(MODEL).for_row({"temperature": 0.3, "max_new_tokens": 7})
+    assert (unflagged.temperature, unflagged.max_new_tokens, unflagged.top_k) == (0.3, 7, 20)
+    assert unflagged.source("temperature") == "row"
 
 
 def test_truncation_is_one_unit_per_layer():
@@ -109,6 +115,9 @@ def test_truncation_is_one_unit_per_layer():
     assert (by_flag.top_k, by_flag.top_p) == (None, 0.5)
     by_row = GenerationSettings.from_flags().with_model_defaults(MODEL).for_row({"top_k": 3})
     assert (by_row.top_k, by_row.top_p) == (3, None)
+    # a flag that sets either keeps the row's pair out: the flags' truncation stands whole
+    over_row = by_flag.for_row({"top_k": 3})
+    assert (over_row.top_k, over_row.top_p) == (None, 0.5) and over_row.source("top_p") == "flag"
     with pytest.raises(UsageError, match="--top-k and --top-p cannot be used together"):
         GenerationSettings.from_flags(top_k=3, top_p=0.5)
     with pytest.raises(RowError, match='"top_k" and "top_p" cannot be used together'):
@@ -120,9 +129,12 @@ def test_greedy_flag_or_row_drops_the_models_warpers():
     assert greedy.greedy and (greedy.top_k, greedy.top_p) == (None, None) and greedy.repetition_penalty == 1.2
     row = GenerationSettings.from_flags().with_model_defaults(MODEL).for_row({"temperature": 0})
     assert row.greedy and (row.top_k, row.top_p) == (None, None)
-    # a sampling row under --greedy gets the model's truncation back
-    sampled = greedy.for_row({"temperature": 0.7})
-    assert (sampled.top_k, sampled.top_p) == (20, 0.9)
+    # --greedy beats a sampling row (and its sampling-only settings): every row is greedy
+    still_greedy = greedy.for_row({"temperature": 0.7, "top_p": 0.5, "min_p": 0.1})
+    assert still_greedy.greedy and (still_greedy.top_k, still_greedy.top_p, still_greedy.min_p) == (None, None, None)
+    # a sampling flag beats a greedy row, which keeps the model's truncation
+    sampled = GenerationSettings.from_flags(temperature=0.7).with_model_defaults(MODEL).for_row({"temperature": 0})
+    assert sampled.temperature == 0.7 and (sampled.top_k, sampled.top_p) == (20, 0.9)
 
 
 def test_new_row_fields_are_checked_and_named():
