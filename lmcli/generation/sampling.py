@@ -22,7 +22,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -256,30 +256,43 @@ def _generated_counts(input_ids: torch.Tensor, prompt_length: int, vocab_size: i
     return counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=counts.dtype))
 
 
-class PresencePenalty:
-    """Subtract `penalty` from the logit of every token the model has already generated (OpenAI's
-    presence_penalty; the prompt does not count). Columns before `prompt_length` are the prompt."""
+class _OccurrencePenalty:
+    """OpenAI's penalties on tokens the model has already generated (the prompt does not count):
+    subtract `penalty` times `_amount(counts)`. Columns before `prompt_length` are the prompt."""
+
+    setting: ClassVar[str]
 
     def __init__(self, penalty: float, prompt_length: int = 0):
-        self.penalty = _check_occurrence_penalty("presence_penalty", penalty)
+        self.penalty = _check_occurrence_penalty(self.setting, penalty)
         self.prompt_length = prompt_length
 
-    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])
-        return logits - self.penalty * (counts > 0).to(logits.dtype)
-
-
-class FrequencyPenalty:
-    """Subtract `penalty` times the number of times a token has been generated (OpenAI's
-    frequency_penalty; the prompt does not count). Columns before `prompt_length` are the prompt."""
-
-    def __init__(self, penalty: float, prompt_length: int = 0):
-        self.penalty = _check_occurrence_penalty("frequency_penalty", penalty)
-        self.prompt_length = prompt_length
+    @staticmethod
+    def _amount(counts: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])
-        return logits - self.penalty * counts.to(logits.dtype)
+        counts = _generated_counts(input_ids, self.prompt_length, logits.shape[-1])  # (B, V)
+        return logits - self.penalty * self._amount(counts).to(logits.dtype)
+
+
+class PresencePenalty(_OccurrencePenalty):
+    """Subtract `penalty` once from every token already generated (presence_penalty)."""
+
+    setting = "presence_penalty"
+
+    @staticmethod
+    def _amount(counts: torch.Tensor) -> torch.Tensor:
+        return counts > 0
+
+
+class FrequencyPenalty(_OccurrencePenalty):
+    """Subtract `penalty` for each time a token has been generated (frequency_penalty)."""
+
+    setting = "frequency_penalty"
+
+    @staticmethod
+    def _amount(counts: torch.Tensor) -> torch.Tensor:
+        return counts
 
 
 class NoRepeatNGram:
