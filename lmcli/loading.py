@@ -7,9 +7,10 @@ a .gguf file, or None for the embedded default model.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -125,25 +126,34 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
     quantizes the float weights at load (group-wise, round to nearest). `dtype` is the activation
     dtype; None or "auto" picks the fastest measured one for quantized weights on this device.
     """
-    from lmcli import registry
-    from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
-    from lmcli.models.base import BaseModel
-    from lmcli.models.linear import GroupQuantized, install_quantized, preferred_dtype, quantize_weights
-
     if quantize not in (None, *QUANTIZE_CHOICES):
         raise UsageError(f"--quantize {quantize}: unknown (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(device)
-    parallel = None
-    tokenizer = None
-    origin: dict[str, Path] = {}
     path, model = resolve_checkpoint(checkpoint, model)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
-    # Quantized weights stay quantized (a GGUF file's own, or --quantize's); the activation dtype
-    # is then chosen after reading, from what the weights' kernels measure fastest with.
-    quantized_load = quantize in ("int4", "int8") or (quantize is None and path.suffix == ".gguf")
     if tp is not None and tp > 1 and quantize in ("int4", "int8"):
         raise UsageError(f"--tp {tp} with --quantize {quantize}: tensor parallel needs float weights for now")
+    with ExitStack() as open_files:  # a GGUF file stays mapped while its tensors are placed one by one
+        return _load(path, model, dtype, device, tokenizer_path, tp, quantize, open_files)
+
+
+def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device: torch.device,
+          tokenizer_path: str | Path | None, tp: int | None, quantize: str | None,
+          open_files: ExitStack) -> tuple[BaseModel, Tokenizer | None]:
+    from lmcli import registry
+    from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
+    from lmcli.models.base import BaseModel
+
+    parallel = None
+    tokenizer = None
+    origin: dict[str, Path] = {}
+    # Quantized weights stay quantized (a GGUF file's own, or --quantize's); the activation dtype
+    # is then chosen from what the weights' kernels measure fastest with, and each weight is
+    # placed in the model as it is read, so the whole checkpoint is never held twice.
+    quantized_load = quantize in ("int4", "int8") or (quantize is None and path.suffix == ".gguf")
+    stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
+    weights: Iterator[tuple[str, Any]]
 
     if path.suffix == ".gguf":
         if tp is not None and tp > 1:
@@ -153,15 +163,22 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
 
-        if quantized_load:  # read as float32 / quantized blocks; cast once the activation dtype is known
-            from lmcli.io.gguf import read_gguf
+        if quantized_load:  # read tensor by tensor: float32 or quantized blocks
+            from lmcli.io.gguf import open_gguf
 
-            gguf = read_gguf(path, torch.float32, keep_quantized=quantize is None)
+            gguf = open_files.enter_context(open_gguf(path, keep_quantized=quantize is None))
+            hf_config, metadata = gguf.hf_config, gguf.metadata
+            hf_config["torch_dtype"] = "float32"
+            stored_kinds = gguf.quantized_kinds()
+            weights = gguf.tensors()
         else:  # GGUF weights are quantised or float: `auto` is decided by the device alone.
-            gguf = load_gguf_cached(path, resolve_dtype(dtype, device))
-        config = registry.config_from_hf(gguf.hf_config, model, source=str(path))
-        tensors = gguf.tensors
-        tokenizer = tokenizer_from_gguf(gguf.metadata)
+            checkpoint = load_gguf_cached(path, resolve_dtype(dtype, device))
+            hf_config, metadata = checkpoint.hf_config, checkpoint.metadata
+            weights = _drained(checkpoint.tensors)
+        config = registry.config_from_hf(hf_config, model, source=str(path))
+        tokenizer = tokenizer_from_gguf(metadata)
+        if quantized_load:
+            gguf.forget_vocabulary()
         source = str(path)
     else:
         if path.is_dir():
@@ -205,6 +222,7 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
             tensors, origin = distributed.lazy_safetensors(files)  # read per rank after the renames
         else:
             tensors, origin = read_safetensors(files, target_dtype)
+        weights = _drained(tensors)
         source = str(files[0]) if len(files) == 1 else str(path)
         from lmcli.io.tokenizer import load_tokenizer
 
@@ -214,10 +232,10 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         tokenizer = _tokenizer_from(Path(tokenizer_path).expanduser())
 
     module = registry.architecture_module(config.model_type)
-    if hasattr(module, "convert_checkpoint"):
-        tensors = module.convert_checkpoint(tensors, config)
+    if hasattr(module, "convert_checkpoint"):  # a per-tensor rename, applied as each tensor arrives
+        weights = _converted(weights, module.convert_checkpoint, config)
     if parallel is not None:
-        tensors = parallel.take_shards(tensors, target_dtype)
+        weights = _drained(parallel.take_shards(dict(weights), target_dtype))
     try:
         with _uninitialised_parameters():
             built = BaseModel(config) if parallel is None else parallel.build_model()
@@ -225,24 +243,77 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({reason})") from None
     if quantized_load:
-        if quantize in ("int4", "int8"):
-            tensors = quantize_weights(tensors, quantize, _quantizable_names(built))
-        quantized = {name: t for name, t in tensors.items() if isinstance(t, GroupQuantized)}
-        kinds = [q.kind for q in quantized.values()]
-        if dtype is None or str(dtype) == "auto":
-            activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
-        else:
-            activation = resolve_dtype(dtype, device)
-        for name in quantized:
-            del tensors[name]
-        built.kernel_choices = install_quantized(built, quantized, activation, device)
-        del quantized
-        tensors = {name: t.to(activation) if t.is_floating_point() else t for name, t in tensors.items()}
-    tensors = {name: t.to(device=device) for name, t in tensors.items()}
+        kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
+        tensors = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
+    else:
+        tensors = {name: t.to(device=device) for name, t in weights}
     fill_model(built, tensors, source, origin)
     built.use_fast_layout()
     built.eval()
+    release_freed_memory()
     return built, tokenizer
+
+
+def release_freed_memory() -> None:
+    """Hand memory that is free but still held by the C allocator back to the system (glibc's
+    `malloc_trim`; elsewhere nothing). Loading frees many large temporaries, and glibc otherwise
+    keeps them for reuse, which shows as resident memory the model never uses: measured on the
+    default model, about 70 MB more peak and 60 MB more after load without it."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The dict's items, each removed as it is taken (so a placed tensor is not kept alive here)."""
+    while tensors:
+        yield tensors.popitem()
+
+
+def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) -> Iterator[tuple[str, Any]]:
+    for name, tensor in weights:
+        yield from convert({name: tensor}, config).items()
+
+
+def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],
+                     dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
+    """Install each quantized weight into `built` as it arrives (quantizing float ones first under
+    --quantize); return the float tensors, in the activation dtype, for `fill_model`."""
+    from lmcli.models.linear import GROUP, GroupQuantized, QuantizedInstaller, preferred_dtype
+
+    if dtype is None or str(dtype) == "auto":
+        activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
+    else:
+        activation = resolve_dtype(dtype, device)
+    installer = QuantizedInstaller(built, activation, device, source)
+    release_freed_memory()  # what reading the vocabulary and measuring kernels left behind
+    to_quantize = _quantizable_names(built) if quantize in ("int4", "int8") else set()
+    bits = 4 if quantize == "int4" else 8
+    tied = {"lm_head.weight"} if built.config.tie_word_embeddings else set()
+    floats: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name in to_quantize and tensor.dim() == 2 and tensor.shape[1] % GROUP == 0:
+            tensor = GroupQuantized.quantize(tensor, bits)
+        if isinstance(tensor, GroupQuantized):
+            if name not in tied:  # a tied head saved explicitly: the embedding's kernel serves it
+                installer.install(name, tensor)
+            del tensor
+            release_freed_memory()  # the weight's codes and packing buffers, back to the system now
+        else:
+            floats[name] = tensor.to(device=device, dtype=activation if tensor.is_floating_point() else tensor.dtype)
+    built.kernel_choices = installer.choices
+    return floats
 
 
 TOKENIZER_FILES = {".json": "tokenizer.json", ".model": "tokenizer.model"}

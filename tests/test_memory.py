@@ -96,7 +96,7 @@ def _check_bound(gguf_path: Path, torch_import_bytes: int, cache_dir: Path, boun
 
 
 BOUNDS = [pytest.param(REGRESSION, id="regression"),
-          pytest.param(TARGET, id="target", marks=pytest.mark.xfail(strict=True, reason="issue 9's bound is not reached yet"))]
+          pytest.param(TARGET, id="target")]
 
 
 @pytest.mark.parametrize("bound_of_file", BOUNDS)

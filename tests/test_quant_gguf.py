@@ -13,7 +13,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from lmcli.io.gguf_quant import BLOCK_BYTES, DECODERS, decode_blocks  # noqa: E402
+from lmcli.io.gguf_quant import DECODERS, decode_blocks  # noqa: E402
+from lmcli.io.gguf_reader import NATIVE_BLOCKS  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 QUANTIZABLE = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
@@ -21,7 +22,7 @@ K_QUANTS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}  # byte offsets of t
 
 
 def random_k_blocks(ggml_type, rows: int, cols: int, seed: int) -> np.ndarray:
-    values, size = BLOCK_BYTES[int(ggml_type)]
+    values, size = NATIVE_BLOCKS[int(ggml_type)]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // values, size), dtype=np.uint8)
     for start in K_QUANTS[ggml_type]:

@@ -20,6 +20,7 @@ import math
 import mmap
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from lmcli.errors import GGUFError
-from lmcli.io.gguf_reader import GGUFHeader, TensorInfo, mapped_gguf
+from lmcli.io.gguf_reader import BF16, F16, F32, NATIVE_BLOCKS, GGUFHeader, TensorInfo, mapped_gguf
 from lmcli.models.linear import GroupQuantized
 
 
@@ -47,8 +48,10 @@ class GGUFCheckpoint:
 
 @cache
 def _can_dequantise(ggml_type: int) -> bool:
-    """Whether the gguf package dequantises this type, asked of its public API with one zero block
-    (it raises NotImplementedError for the types it lacks)."""
+    """Whether lmcli or the gguf package dequantises this type; the package is asked of its public
+    API with one zero block (it raises NotImplementedError for the types it lacks)."""
+    if ggml_type in NATIVE_BLOCKS:
+        return True
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     kind = GGMLQuantizationType(ggml_type)
@@ -62,10 +65,16 @@ def _can_dequantise(ggml_type: int) -> bool:
 
 def _dequantise(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
     """float32 tensor of `info.shape`, owning its memory (the map may close right after)."""
+    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    if info.ggml_type in (F32, F16, BF16):  # float tensors (norms, biases): read here, no gguf import
+        if info.ggml_type == BF16:  # bfloat16 is the high half of a float32
+            values = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            values = raw.view("<f4" if info.ggml_type == F32 else "<f2").astype(np.float32)
+        return torch.from_numpy(values.reshape(info.shape))
     from gguf import GGMLQuantizationType, quants
 
     rows = info.shape[:-1]
-    raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
     raw = raw.reshape(*rows, info.nbytes // max(1, math.prod(rows)))  # (*rows, bytes per row)
     values = quants.dequantize(raw, GGMLQuantizationType(info.ggml_type))  # (*rows, row length) float32
     if not values.flags.writeable:  # F32 comes back as a view of the file itself
@@ -305,6 +314,67 @@ def _read_tensor(buf: mmap.mmap, info: TensorInfo, keep_quantized: bool) -> torc
     return _dequantise(buf, info)
 
 
+class GGUFTensors:
+    """An open GGUF file whose tensors are read one at a time, in HF names and layout.
+
+    `metadata` and `hf_config` are ready at once; `tensors()` then yields each HF (name, tensor), so a
+    loader can place one tensor before the next is read and never holds the whole file twice.
+    """
+
+    def __init__(self, buf: mmap.mmap, header: GGUFHeader, keep_quantized: bool):
+        self.path, self.metadata = header.path, header.metadata
+        self._buf, self._header, self._keep_quantized = buf, header, keep_quantized
+        arch, self._module = _architecture_module(header)
+        for info in header.tensors.values():
+            if not _can_dequantise(info.ggml_type):
+                raise GGUFError(f"{self.path}: tensor '{info.name}' has unsupported tensor type {info.type_name} "
+                                "(lmcli dequantises F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants and IQ types)")
+        self._source = GGUFFile(header, buf, arch)
+        self.hf_config: dict[str, Any] = self._module.config_from_gguf(self._source)
+
+    def quantized_kinds(self) -> list[str]:
+        """The stored form ("int4" / "int8") of each tensor that stays quantized, before reading any."""
+        from lmcli.io.gguf_quant import quantized_kind
+
+        if not self._keep_quantized:
+            return []
+        kinds = (quantized_kind(info.ggml_type) for info in self._header.tensors.values() if len(info.shape) >= 2)
+        return [kind for kind in kinds if kind is not None]
+
+    def forget_vocabulary(self) -> None:
+        """Drop the vocabulary lists from `metadata` once a tokenizer holds them (about 10 MB of
+        Python strings for a 50k vocabulary, otherwise alive while the tensors are read)."""
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            self.metadata.pop(key, None)
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
+        """Each tensor in HF names: float32, or `GroupQuantized` where kept quantized."""
+        for info in self._header.tensors.values():
+            if info.name in _CONFIG_ONLY:
+                continue
+            try:
+                values = _read_tensor(self._buf, info, self._keep_quantized)
+            except (NotImplementedError, ValueError) as exc:
+                raise GGUFError(f"{self.path}: cannot dequantise tensor '{info.name}' ({info.type_name}): {exc}") from None
+            self._release(info)
+            yield from self._module.tensors_from_gguf(self._source, info.name, values, self.hf_config)
+            del values
+
+    def _release(self, info: TensorInfo) -> None:
+        """Drop the file pages of a tensor already decoded from this process's resident memory: mapped
+        pages count as resident until unmapped, so a whole read would otherwise add the file's size."""
+        start = info.offset - info.offset % mmap.PAGESIZE
+        if hasattr(self._buf, "madvise") and info.nbytes:
+            self._buf.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+
+
+@contextmanager
+def open_gguf(path: str | Path, keep_quantized: bool = False) -> Iterator[GGUFTensors]:
+    """The GGUF file at `path`, mapped, for reading tensor by tensor; the map closes with the block."""
+    with mapped_gguf(Path(path)) as (buf, header):
+        yield GGUFTensors(buf, header, keep_quantized)
+
+
 def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_quantized: bool = False) -> GGUFCheckpoint:
     """Read and rename a GGUF checkpoint into HF form (config dict + HF-named tensors).
 
@@ -313,27 +383,11 @@ def read_gguf(path: str | Path, dtype: torch.dtype = torch.float32, keep_quantiz
     (lmcli/models/<arch>.py) says how to rename: `config_from_gguf(file)` gives config.json's dict,
     `tensors_from_gguf(file, name, tensor, config)` the HF tensors."""
     path = Path(path)
-    with mapped_gguf(path) as (buf, header):
-        arch, module = _architecture_module(header)
-        for info in header.tensors.values():
-            if not _can_dequantise(info.ggml_type):
-                raise GGUFError(f"{path}: tensor '{info.name}' has unsupported tensor type {info.type_name} "
-                                "(lmcli dequantises F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants and IQ types)")
-        source = GGUFFile(header, buf, arch)
-        hf_config = module.config_from_gguf(source)
+    with open_gguf(path, keep_quantized) as gguf:
+        hf_config = gguf.hf_config
         hf_config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        tensors: dict[str, Any] = {}
-        for info in header.tensors.values():
-            if info.name in _CONFIG_ONLY:
-                continue
-            try:
-                values = _read_tensor(buf, info, keep_quantized)
-            except (NotImplementedError, ValueError) as exc:
-                raise GGUFError(f"{path}: cannot dequantise tensor '{info.name}' ({info.type_name}): {exc}") from None
-            for hf_name, tensor in module.tensors_from_gguf(source, info.name, values, hf_config):
-                tensors[hf_name] = tensor.to(dtype)
-            del values
-    return GGUFCheckpoint(path=path, metadata=header.metadata, hf_config=hf_config, tensors=tensors)
+        tensors = {name: tensor.to(dtype) for name, tensor in gguf.tensors()}
+    return GGUFCheckpoint(path=path, metadata=gguf.metadata, hf_config=hf_config, tensors=tensors)
 
 
 def write_hf_weights(checkpoint: GGUFCheckpoint, out_dir: str | Path) -> None:

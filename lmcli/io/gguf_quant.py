@@ -28,10 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lmcli.io.gguf_reader import NATIVE_BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from lmcli.models.linear import GroupQuantized
-
-# ggml type ids (gguf.GGMLQuantizationType), kept here so the mapping needs no import of gguf.
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -124,12 +122,14 @@ DECODERS: dict[int, tuple[int, int, _Decoder]] = {
     Q4_0: (4, 32, _q4_0), Q4_1: (4, 32, _q4_1), Q4_K: (4, 32, _q4_k),
     Q8_0: (8, 32, _q8_0), Q5_0: (8, 32, _q5_0), Q5_1: (8, 32, _q5_1), Q5_K: (8, 32, _q5_k), Q6_K: (8, 16, _q6_k),
 }
-BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-
 
 def keeps_quantized(ggml_type: int) -> bool:
     return ggml_type in DECODERS
+
+
+def quantized_kind(ggml_type: int) -> str | None:
+    """"int4" or "int8": the form a block type is kept in; None for the types that are dequantised."""
+    return f"int{DECODERS[ggml_type][0]}" if ggml_type in DECODERS else None
 
 
 def decode_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> GroupQuantized:
@@ -138,7 +138,7 @@ def decode_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> Gr
     `raw` may be a read-only view of the mapped file; nothing it returns refers to it.
     """
     bits, group, decode = DECODERS[ggml_type]
-    block_values, block_bytes = BLOCK_BYTES[ggml_type]
+    block_values, block_bytes = NATIVE_BLOCKS[ggml_type]
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, shape[-1] // block_values, block_bytes)
     codes, scales, offsets = decode(blocks)

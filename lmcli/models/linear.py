@@ -17,6 +17,7 @@ A candidate that is missing on this build or gives a wrong result on a probe is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -282,10 +283,23 @@ class DequantiseKernel(Kernel):
         return F.linear(x, self.dequantise())
 
 
-def _int4_scales_and_zeros(scales: torch.Tensor, offsets: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """(N, G) scales and offsets of value = code * s + o -> torch's (G, N, 2) for value = (code - 8) * s + z."""
-    zeros = 8 * scales if offsets is None else offsets + 8 * scales
-    return torch.stack((scales, zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+def _scales_and_zeros(parts: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch.dtype) -> torch.Tensor:
+    """Row blocks of (scales, zeros), each (rows, G) float32 (zeros None for 0) -> torch's (G, all rows, 2)
+    in `dtype`, written block by block so no float32 copy of the whole is ever made."""
+    groups = parts[0][0].shape[1]
+    out = torch.empty(groups, sum(scales.shape[0] for scales, _ in parts), 2, dtype=dtype)
+    start = 0
+    for scales, zeros in parts:
+        rows = slice(start, start + scales.shape[0])
+        out[:, rows, 0] = scales.t()
+        out[:, rows, 1] = 0 if zeros is None else zeros.t()
+        start = rows.stop
+    return out
+
+
+def _int4_zeros(scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """torch's int4 kernel computes (code - 8) * scale + zero; for value = code * s + o, zero = 8 s + o."""
+    return 8 * scales if offsets is None else offsets + 8 * scales
 
 
 class Int4PackKernel(Kernel):
@@ -305,29 +319,43 @@ class Int4PackKernel(Kernel):
         self.name = "int4pair" if self.pair else "int4pack"
         self.group, self.on_cuda = q.group, torch.device(device).type == "cuda"
         if self.pair:
-            unsigned = (q.codes.view(torch.uint8) ^ 0x80)  # (N, K) code + 128, 0..255
-            codes = torch.cat((unsigned >> 4, unsigned & 15))  # (2N, K): high nibbles, then low
-            offsets = torch.zeros_like(q.scales) if q.offsets is None else q.offsets
-            scales = torch.cat((16 * q.scales, q.scales))
             # s (16 hi + lo - 128) + offset = 16 s (hi - 8) + s (lo - 8) + (8 s + offset); torch computes
             # (code - 8) * scale + zero, so zero is 0 for the high half and 8 s + offset for the low one.
-            sz = torch.stack((scales, torch.cat((torch.zeros_like(q.scales), 8 * q.scales + offsets))), -1)
-            sz = sz.transpose(0, 1).contiguous().to(dtype)
+            sz = _scales_and_zeros([(16 * q.scales, None), (q.scales, _int4_zeros(q.scales, q.offsets))], dtype)
         else:
-            codes, sz = _unpack_nibbles_numpy(q.codes), _int4_scales_and_zeros(q.scales, q.offsets, dtype)
-        self.rows_stored = codes.shape[0]
+            sz = _scales_and_zeros([(q.scales, _int4_zeros(q.scales, q.offsets))], dtype)
+        self.rows_stored = 2 * n if self.pair else n
         self.layout = None if self.on_cuda else cpu_pack_layout()
-        if self.layout is not None and not self.layout.fits(self.rows_stored):
+        if self.layout is not None and not self.layout.fits(n):
             self.layout = None
-        if self.on_cuda:  # tinygemm takes two codes per byte, the even one high
-            codes = codes.to(device)
+        if self.layout is not None:  # packed a slab of rows at a time: the byte-per-code copy stays small
+            packed = torch.empty(self.rows_stored, k // 2, dtype=torch.uint8)
+            slab = max(1, (1 << 20) // k // self.layout.block) * self.layout.block  # about 1M codes
+            for start in range(0, n, slab):
+                rows = slice(start, min(start + slab, n))
+                halves = self._codes(q, rows)
+                if self.pair:
+                    packed[rows] = self.layout.pack(halves[:rows.stop - start])
+                    packed[n + rows.start:n + rows.stop] = self.layout.pack(halves[rows.stop - start:])
+                else:
+                    packed[rows] = self.layout.pack(halves)
+                del halves
+        elif self.on_cuda:  # tinygemm takes two codes per byte, the even one high
+            codes = self._codes(q, slice(0, n)).to(device)
             packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
-        elif self.layout is not None:
-            packed = self.layout.pack(codes.contiguous())
         else:
+            codes = self._codes(q, slice(0, n))
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales_and_zeros", sz.to(device), persistent=False)
+
+    def _codes(self, q: GroupQuantized, rows: slice) -> torch.Tensor:
+        """Codes 0..15, one a byte, of weight rows `rows`: (R, K); for 8-bit weights (2R, K), the high
+        nibbles of those rows, then the low ones."""
+        if not self.pair:
+            return _unpack_nibbles_numpy(q.codes[rows])
+        unsigned = q.codes[rows].view(torch.uint8) ^ 0x80  # (R, K) code + 128, 0..255
+        return torch.cat((unsigned >> 4, unsigned & 15))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.on_cuda:
@@ -585,7 +613,7 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
             return {label: KernelChoice(**fields) for label, fields in known.items()}
         except TypeError:
             pass
-    choices = measure(kind, device, dtypes)
+    choices = (_measure_apart(kind, dtypes) if device.type == "cpu" else None) or measure(kind, device, dtypes)
     stored.setdefault(machine, {})[entry] = {label: asdict(choice) for label, choice in choices.items()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -595,6 +623,40 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
     except OSError:
         pass  # a read-only cache only means measuring again next time
     return choices
+
+
+def _measure_apart(kind: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, KernelChoice] | None:
+    """`measure` in a child process with this one's thread count; None if that fails (the caller then
+    measures here). Its probe matrices and timing loops peak at about 80 MB, which a loading
+    process would otherwise keep as resident memory it never uses again."""
+    import subprocess
+    import sys
+
+    import lmcli
+
+    code = "from lmcli.models.linear import _measure_for_parent; _measure_for_parent()"
+    package_root = str(Path(lmcli.__file__).resolve().parents[1])  # the same lmcli as this process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    args = [sys.executable, "-c", code, kind, str(torch.get_num_threads()), *map(str, _PROBE_SHAPE),
+            *map(_dtype_name, dtypes)]
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+        fields = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
+        return {label: KernelChoice(**value) for label, value in fields.items()} if fields else None
+    except (OSError, subprocess.SubprocessError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def _measure_for_parent() -> None:
+    """The child's side of `_measure_apart`: arguments kind, threads, probe rows and columns, dtypes."""
+    import sys
+
+    global _PROBE_SHAPE
+    kind, threads, rows, columns, *dtypes = sys.argv[1:]
+    torch.set_num_threads(int(threads))
+    _PROBE_SHAPE = (int(rows), int(columns))
+    choices = measure(kind, torch.device("cpu"), tuple(getattr(torch, name) for name in dtypes))
+    print(json.dumps({label: asdict(choice) for label, choice in choices.items()}))
 
 
 def preferred_dtype(kind: str, device: torch.device | str = "cpu") -> torch.dtype:
@@ -619,38 +681,51 @@ def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(owner) if owner else model), leaf
 
 
-def install_quantized(model: nn.Module, weights: dict[str, GroupQuantized], dtype: torch.dtype,
-                      device: torch.device) -> dict[str, KernelChoice]:
-    """Replace the nn.Linear / nn.Embedding owning each `<module>.weight` in `weights` (emptied on the
-    way) by its quantized counterpart; a tied head (`lm_head` with no weight of its own) shares the embedding's kernel.
+class QuantizedInstaller:
+    """Swaps the nn.Linear / nn.Embedding owning `<module>.weight` for its quantized counterpart, one
+    weight at a time, so a loader can read, install and free each weight before the next.
 
-    Returns the kernel choice per weight format, for reports.
+    `choices` collects the kernel choice per weight format, for reports. A tied head (`lm_head` with
+    no weight of its own) later shares the embedding's kernel (`tie_quantized_head`).
     """
-    choices: dict[str, KernelChoice] = {}
-    while weights:  # consumed one at a time, so each one's codes go once its kernel is built
-        name, q = weights.popitem()
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, source: str = "checkpoint"):
+        self.model, self.dtype, self.device, self.source = model, dtype, device, source
+        self.choices: dict[str, KernelChoice] = {}
+
+    def install(self, name: str, q: GroupQuantized) -> None:
+        from lmcli.errors import CheckpointError
+
         module_path = name.removesuffix(".weight")
-        parent, leaf = _parent(model, module_path)
-        old = getattr(parent, leaf)
-        choice = choices.get(q.kind) or kernel_plan(q.kind, dtype, device)
-        choices[q.kind] = choice
+        old = None
+        if name.endswith(".weight"):
+            with contextlib.suppress(AttributeError):
+                old = self.model.get_submodule(module_path)
+        if not isinstance(old, (nn.Linear, nn.Embedding)):
+            raise CheckpointError(f"{self.source}: unexpected quantized tensor '{name}' {list(q.shape)} "
+                                  "(not the weight of a linear or embedding layer of this model)")
+        if tuple(q.shape) != tuple(old.weight.shape):
+            raise CheckpointError(f"{self.source}: tensor '{name}' has shape {list(q.shape)} but the model "
+                                  f"expects {list(old.weight.shape)}")
+        choice = self.choices.get(q.kind) or kernel_plan(q.kind, self.dtype, self.device)
+        self.choices[q.kind] = choice
         kernel_name = choice.kernel
         if q.group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
             kernel_name = "dequantise"
         try:
-            kernel = build_kernel(kernel_name, q, dtype, device)
+            kernel = build_kernel(kernel_name, q, self.dtype, self.device)
         except RuntimeError:  # a shape torch's packing refuses (rows not a multiple of its block, ...)
             kernel_name = "dequantise"
-            kernel = build_kernel(kernel_name, q, dtype, device)
+            kernel = build_kernel(kernel_name, q, self.dtype, self.device)
         large_rows = choice.large_rows if kernel_name == choice.kernel else None
+        parent, leaf = _parent(self.model, module_path)
         if isinstance(old, nn.Embedding):
-            if kernel.rows(torch.zeros(1, dtype=torch.long, device=device)) is None:
-                kernel = build_kernel("dequantise", q, dtype, device)
+            if kernel.rows(torch.zeros(1, dtype=torch.long, device=self.device)) is None:
+                kernel = build_kernel("dequantise", q, self.dtype, self.device)
             setattr(parent, leaf, QuantEmbedding(kernel, large_rows))
         else:
-            bias = None if old.bias is None else torch.empty(old.out_features, dtype=dtype, device=device)
+            bias = None if old.bias is None else torch.empty(old.out_features, dtype=self.dtype, device=self.device)
             setattr(parent, leaf, QuantLinear(kernel, bias, large_rows))  # the bias is filled by name later
-    return choices
 
 
 def tie_quantized_head(model: nn.Module) -> bool:
