@@ -283,7 +283,10 @@ def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) -> Iterator[tuple[str, Any]]:
     for name, tensor in weights:
-        yield from convert({name: tensor}, config).items()
+        converted = convert({name: tensor}, config)
+        del tensor  # handed on one at a time, so the consumer's `del` frees each
+        for key in list(converted):
+            yield key, converted.pop(key)
 
 
 def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],

@@ -349,23 +349,33 @@ class GGUFTensors:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | GroupQuantized]]:
         """Each tensor in HF names: float32, or `GroupQuantized` where kept quantized."""
-        for info in self._header.tensors.values():
+        infos = self._header.tensors.values()
+        self._release(0, min((info.offset for info in infos), default=0))  # the header, parsed already
+        for info in infos:
             if info.name in _CONFIG_ONLY:
                 continue
             try:
                 values = _read_tensor(self._buf, info, self._keep_quantized)
             except (NotImplementedError, ValueError) as exc:
                 raise GGUFError(f"{self.path}: cannot dequantise tensor '{info.name}' ({info.type_name}): {exc}") from None
-            self._release(info)
-            yield from self._module.tensors_from_gguf(self._source, info.name, values, self.hf_config)
-            del values
+            self._release(info.offset - _FAULT_AROUND_MARGIN, info.offset + info.nbytes)
+            produced = list(self._module.tensors_from_gguf(self._source, info.name, values, self.hf_config))
+            del values  # handed on one at a time, so the consumer's `del` frees each
+            while produced:
+                yield produced.pop(0)
 
-    def _release(self, info: TensorInfo) -> None:
-        """Drop the file pages of a tensor already decoded from this process's resident memory: mapped
-        pages count as resident until unmapped, so a whole read would otherwise add the file's size."""
-        start = info.offset - info.offset % mmap.PAGESIZE
-        if hasattr(self._buf, "madvise") and info.nbytes:
-            self._buf.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+    def _release(self, start: int, end: int) -> None:
+        """Drop the file's pages in [start, end) from this process's resident memory: mapped pages
+        count as resident until unmapped, so reading a whole file would otherwise add its size."""
+        start = max(0, start)
+        start -= start % mmap.PAGESIZE
+        if hasattr(self._buf, "madvise") and end > start:
+            self._buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+# The kernel maps a few neighbouring pages on each page fault (fault-around, 64 KB by default), so
+# reading a tensor maps the tail of the one before again: each release reaches back this far.
+_FAULT_AROUND_MARGIN = 1 << 20
 
 
 @contextmanager
