@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
+import inspect
 import os
 import sys
 import traceback
@@ -221,77 +223,74 @@ QuantizeOption = Annotated[
 ]
 
 
-# The generation flags `generate` and `chat` share (a test checks that chat has every one of generate's).
-MaxNewTokensOption = Annotated[
-    int | None,
-    typer.Option(
-        "--max-new-tokens", "--max-tokens", "-n", metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL,
-        help=f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
-    ),
-]
-TemperatureOption = Annotated[
-    float | None,
-    typer.Option(metavar="T",
-        show_default=False, rich_help_panel=DECODING_PANEL,
-        help=f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.",
-    ),
-]
-TopKOption = Annotated[
-    int | None, typer.Option(metavar="K", show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
-]
-TopPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
-]
-RepetitionPenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
-]
-GreedyOption = Annotated[
-    bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
-]
-SeedOption = Annotated[
-    int | None,
-    typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
-]
-StopOption = Annotated[
-    list[str] | None,
-    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash."),
-]
-IgnoreEosOption = Annotated[
-    bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
-]
-MinPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
-]
-TypicalPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
-]
-PresencePenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
-]
-FrequencyPenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
-]
-NoRepeatNgramSizeOption = Annotated[
-    int | None,
-    typer.Option(metavar="N", show_default=False, rich_help_panel=DECODING_PANEL, help="Never repeat an N-token sequence already in the text."),
-]
-LogitBiasOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--logit-bias", metavar="TOKEN=BIAS", show_default=False, rich_help_panel=DECODING_PANEL,
-        help="Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
-    ),
-]
-MinNewTokensOption = Annotated[
-    int | None,
-    typer.Option(metavar="INT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Do not stop at the end-of-text token before this many tokens."),
-]
+def _flag(metavar: str, help: str, *names: str, panel: str = DECODING_PANEL) -> Any:
+    """A decoding flag that is None unless given (so no default is shown: the model's may apply)."""
+    return typer.Option(*names, metavar=metavar, show_default=False, rich_help_panel=panel, help=help)
+
+
+# The decoding flags `generate` and `chat` share (a test checks that chat has every one of generate's),
+# declared once as the signature of `_decoding_options`; `_with_decoding_options` puts them into a command.
+def _decoding_options(
+    max_new_tokens: Annotated[int | None, _flag(
+        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+        "--max-new-tokens", "--max-tokens", "-n")] = None,
+    temperature: Annotated[float | None, _flag(
+        "T", f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.")] = None,
+    top_k: Annotated[int | None, _flag("K", "Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[float | None, _flag("P", "Nucleus sampling: the smallest set with probability >= p, in (0, 1].")] = None,
+    min_p: Annotated[float | None, _flag("P", "Drop tokens less likely than P times the most likely one, in [0, 1].")] = None,
+    typical_p: Annotated[float | None, _flag(
+        "P", "Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1].")] = None,
+    repetition_penalty: Annotated[float | None, _flag("X", "Penalise tokens already present (> 1 discourages repeats).")] = None,
+    presence_penalty: Annotated[float | None, _flag(
+        "X", "Subtract this from the logit of every token already generated, in [-2, 2].")] = None,
+    frequency_penalty: Annotated[float | None, _flag(
+        "X", "Subtract this times the count of each token already generated, in [-2, 2].")] = None,
+    no_repeat_ngram_size: Annotated[int | None, _flag("N", "Never repeat an N-token sequence already in the text.")] = None,
+    logit_bias: Annotated[list[str] | None, _flag(
+        "TOKEN=BIAS", "Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
+        "--logit-bias")] = None,
+    greedy: Annotated[bool, typer.Option(
+        "--greedy", metavar="", rich_help_panel=DECODING_PANEL,
+        help="Always take the most likely token (sampling is the default).")] = False,
+    seed: Annotated[int | None, _flag("INT", "Random seed, for reproducible sampling (default: drawn at random).")] = None,
+    stop: Annotated[list[str] | None, _flag(
+        "TEXT", "Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash.",
+        "--stop", panel=STOPPING_PANEL)] = None,
+    min_new_tokens: Annotated[int | None, _flag(
+        "INT", "Do not stop at the end-of-text token before this many tokens.", panel=STOPPING_PANEL)] = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL,
+        help="Keep going past the tokenizer's end-of-text token.")] = False,
+) -> None:
+    """Never called: its parameters are the shared decoding flags, in the order --help lists them."""
+
+
+DecodingFlags = dict[str, Any]  # the shared decoding flags' values, by parameter name
+
+
+def _with_decoding_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` as Typer should see it: its keyword-only `decoding: DecodingFlags` parameter replaced, in
+    place, by the flags of `_decoding_options`; their values reach `command` as that one dict."""
+    shared = inspect.signature(_decoding_options, eval_str=True).parameters
+    own = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in own.parameters.values():
+        if parameter.name == "decoding":
+            parameters += [flag.replace(kind=inspect.Parameter.KEYWORD_ONLY) for flag in shared.values()]
+        else:
+            parameters.append(parameter)
+
+    @functools.wraps(command)
+    def with_decoding_flags(**values: Any) -> None:
+        decoding = {name: values.pop(name) for name in shared}
+        command(**values, decoding=decoding)
+
+    with_decoding_flags.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+    with_decoding_flags.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+    return with_decoding_flags
+
+
 ColorProbsOption = Annotated[
     bool,
     typer.Option(
@@ -301,21 +300,17 @@ ColorProbsOption = Annotated[
 ]
 
 
-# The decoding flags `generate` and `chat` both take, by parameter name.
-DECODING_FLAGS = ("max_new_tokens", "temperature", "greedy", "top_k", "top_p", "min_p", "typical_p",
-                  "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
-                  "min_new_tokens", "seed", "ignore_eos")
-
-
-def _settings_from_flags(flags: dict[str, Any], **others: Any):
-    """GenerationSettings from a command's decoding flags (its locals()) and `others`."""
+def _settings_from_flags(decoding: DecodingFlags, **others: Any):
+    """GenerationSettings from a command's decoding flags and `others`."""
     from lmcli.jobs import unescape_line
     from lmcli.settings import GenerationSettings, parse_logit_bias
 
+    flags = dict(decoding)
+    logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
     return GenerationSettings.from_flags(
-        **{name: flags[name] for name in DECODING_FLAGS},
-        logit_bias=parse_logit_bias(flags["logit_bias"]),
-        stop=[unescape_line(text) for text in flags["stop"] or ()],  # '\n' is a newline, as in text input files
+        **flags,
+        logit_bias=parse_logit_bias(logit_bias),
+        stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         **others,
     )
 
@@ -351,6 +346,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
 
 
 @app.command()
+@_with_decoding_options
 def generate(
     prompt: Annotated[
         str | None,
@@ -365,22 +361,8 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    min_p: MinPOption = None,
-    typical_p: TypicalPOption = None,
-    repetition_penalty: RepetitionPenaltyOption = None,
-    presence_penalty: PresencePenaltyOption = None,
-    frequency_penalty: FrequencyPenaltyOption = None,
-    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
-    logit_bias: LogitBiasOption = None,
-    greedy: GreedyOption = False,
-    seed: SeedOption = None,
-    stop: StopOption = None,
-    min_new_tokens: MinNewTokensOption = None,
-    ignore_eos: IgnoreEosOption = False,
+    *,
+    decoding: DecodingFlags,
     chat: Annotated[
         bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
     ] = False,
@@ -451,7 +433,7 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
-    settings = _settings_from_flags(locals(), chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
+    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
@@ -643,28 +625,15 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
 
 
 @app.command()
+@_with_decoding_options
 def chat(
     ctx: typer.Context,
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    min_p: MinPOption = None,
-    typical_p: TypicalPOption = None,
-    repetition_penalty: RepetitionPenaltyOption = None,
-    presence_penalty: PresencePenaltyOption = None,
-    frequency_penalty: FrequencyPenaltyOption = None,
-    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
-    logit_bias: LogitBiasOption = None,
-    greedy: GreedyOption = False,
-    seed: SeedOption = None,
-    stop: StopOption = None,
-    min_new_tokens: MinNewTokensOption = None,
-    ignore_eos: IgnoreEosOption = False,
+    *,
+    decoding: DecodingFlags,
     system: Annotated[
         str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="The system message.")
     ] = None,
@@ -702,7 +671,7 @@ def chat(
     from lmcli.chat import ChatOptions, run_chat
     from lmcli.settings import read_model_defaults
 
-    settings = _settings_from_flags(locals(), chat=True, system=system)
+    settings = _settings_from_flags(decoding, chat=True, system=system)
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
