@@ -57,6 +57,11 @@ class OutputFormat(str, enum.Enum):
     jsonl = "jsonl"
 
 
+def _one_of(choices: type[enum.Enum]) -> str:
+    """A choice flag's metavar, e.g. [auto|cpu|cuda]."""
+    return f"[{'|'.join(choice.value for choice in choices)}]"
+
+
 class _LmcliGroup(TyperGroup):
     """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
 
@@ -207,14 +212,13 @@ ModelOption = Annotated[str | None, _option(
 TokenizerOption = Annotated[Path | None, _option(
     "PATH", "A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
     "--tokenizer", panel=MODEL_PANEL, exists=True)]
-DeviceOption = Annotated[Device, typer.Option("--device", metavar="[auto|cpu|cuda]", rich_help_panel=MODEL_PANEL, help="Where to run.")]
-DTypeOption = Annotated[
-    DType, typer.Option("--dtype", metavar="[auto|float32|bfloat16|float16]", rich_help_panel=MODEL_PANEL,
-                        help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
-]
+DeviceOption = Annotated[Device, typer.Option("--device", metavar=_one_of(Device), rich_help_panel=MODEL_PANEL, help="Where to run.")]
+DTypeOption = Annotated[DType, typer.Option(
+    "--dtype", metavar=_one_of(DType), rich_help_panel=MODEL_PANEL,
+    help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")]
 QuantizeOption = Annotated[Quantize | None, _option(
-    "[none|int4|int8]", "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
-                        "Default: a GGUF file's own quantization, other checkpoints as stored.",
+    _one_of(Quantize), "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
+                       "Default: a GGUF file's own quantization, other checkpoints as stored.",
     "--quantize", "-q", panel=MODEL_PANEL)]
 
 
@@ -354,7 +358,7 @@ def generate(
         "--no-truncate", "Refuse a prompt longer than the model's context (default: drop its start, with a warning).",
         PROMPT_PANEL)] = False,
     output_format: Annotated[OutputFormat | None, _option(
-        "[text|jsonl]", "text (default) or jsonl: one JSON object per prompt.", "--format", panel=OUTPUT_PANEL)] = None,
+        _one_of(OutputFormat), "text (default) or jsonl: one JSON object per prompt.", "--format", panel=OUTPUT_PANEL)] = None,
     logprobs: Annotated[int | None, _option(
         "K", "In JSON output, each token's log-probability and the top K alternatives.", panel=OUTPUT_PANEL)] = None,
     stats: Annotated[bool, _switch(
