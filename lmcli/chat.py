@@ -10,6 +10,10 @@ new rendering extends the previous one and only the new turn is processed. Where
 (a template that rewrites history, a reply whose text tokenises differently from the tokens that
 were sampled, /system, /undo), the common prefix is shorter and more is recomputed; the result is
 the same as a fresh run either way.
+
+One concern, so one file even past ~450 lines: the conversation and its REPL (the session, its
+transcripts and /set settings, reading messages, showing replies); generating a turn is
+generation/rows.py's, what a setting may be is settings.py's.
 """
 
 from __future__ import annotations

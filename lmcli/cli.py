@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
+import inspect
 import os
 import sys
 import traceback
@@ -53,6 +55,11 @@ class Quantize(str, enum.Enum):
 class OutputFormat(str, enum.Enum):
     text = "text"
     jsonl = "jsonl"
+
+
+def _one_of(choices: type[enum.Enum]) -> str:
+    """A choice flag's metavar, e.g. [auto|cpu|cuda]."""
+    return f"[{'|'.join(choice.value for choice in choices)}]"
 
 
 class _LmcliGroup(TyperGroup):
@@ -184,138 +191,114 @@ PROMPT_PANEL = "Prompt"
 OUTPUT_PANEL = "Output"
 JOBS_PANEL = "Batch jobs"
 
-CheckpointOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--checkpoint", "-c", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
-        help="An HF directory, a .safetensors file or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
-    ),
-]
-ModelOption = Annotated[
-    str | None,
-    typer.Option(
-        "--model", "-m", metavar="NAME", show_default=False, rich_help_panel=MODEL_PANEL,
-        help="Without -c: a model on this machine, by name, preset or HF repo id (see 'lmcli models'). "
-             "With -c: the architecture or preset the checkpoint follows (optional when it has config.json).",
-    ),
-]
-TokenizerOption = Annotated[
-    Path | None,
-    typer.Option(
-        "--tokenizer", metavar="PATH", exists=True, show_default=False, rich_help_panel=MODEL_PANEL,
-        help="A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
-    ),
-]
-DeviceOption = Annotated[Device, typer.Option("--device", metavar="[auto|cpu|cuda]", rich_help_panel=MODEL_PANEL, help="Where to run.")]
-DTypeOption = Annotated[
-    DType, typer.Option("--dtype", metavar="[auto|float32|bfloat16|float16]", rich_help_panel=MODEL_PANEL,
-                        help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")
-]
-QuantizeOption = Annotated[
-    Quantize | None,
-    typer.Option(
-        "--quantize", "-q", metavar="[none|int4|int8]", show_default=False, rich_help_panel=MODEL_PANEL,
-        help="Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
-             "Default: a GGUF file's own quantization, other checkpoints as stored.",
-    ),
-]
+
+def _option(metavar: str, help: str, *names: str, panel: str | None = DECODING_PANEL, **more: Any) -> Any:
+    """An option that is None unless given, so no default is shown (the model's or the command's applies)."""
+    return typer.Option(*names, metavar=metavar, show_default=False, rich_help_panel=panel, help=help, **more)
 
 
-# The generation flags `generate` and `chat` share (a test checks that chat has every one of generate's).
-MaxNewTokensOption = Annotated[
-    int | None,
-    typer.Option(
-        "--max-new-tokens", "--max-tokens", "-n", metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL,
-        help=f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
-    ),
-]
-TemperatureOption = Annotated[
-    float | None,
-    typer.Option(metavar="T",
-        show_default=False, rich_help_panel=DECODING_PANEL,
-        help=f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.",
-    ),
-]
-TopKOption = Annotated[
-    int | None, typer.Option(metavar="K", show_default=False, rich_help_panel=DECODING_PANEL, help="Sample from the k most likely tokens.")
-]
-TopPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Nucleus sampling: the smallest set with probability >= p, in (0, 1]."),
-]
-RepetitionPenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Penalise tokens already present (> 1 discourages repeats)."),
-]
-GreedyOption = Annotated[
-    bool, typer.Option("--greedy", metavar="", rich_help_panel=DECODING_PANEL, help="Always take the most likely token (sampling is the default).")
-]
-SeedOption = Annotated[
-    int | None,
-    typer.Option(metavar="INT", show_default=False, rich_help_panel=DECODING_PANEL, help="Random seed, for reproducible sampling (default: drawn at random)."),
-]
-StopOption = Annotated[
-    list[str] | None,
-    typer.Option("--stop", metavar="TEXT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash."),
-]
-IgnoreEosOption = Annotated[
-    bool, typer.Option("--ignore-eos", metavar="", rich_help_panel=STOPPING_PANEL, help="Keep going past the tokenizer's end-of-text token.")
-]
-MinPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Drop tokens less likely than P times the most likely one, in [0, 1]."),
-]
-TypicalPOption = Annotated[
-    float | None,
-    typer.Option(metavar="P", show_default=False, rich_help_panel=DECODING_PANEL, help="Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1]."),
-]
-PresencePenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this from the logit of every token already generated, in [-2, 2]."),
-]
-FrequencyPenaltyOption = Annotated[
-    float | None,
-    typer.Option(metavar="X", show_default=False, rich_help_panel=DECODING_PANEL, help="Subtract this times the count of each token already generated, in [-2, 2]."),
-]
-NoRepeatNgramSizeOption = Annotated[
-    int | None,
-    typer.Option(metavar="N", show_default=False, rich_help_panel=DECODING_PANEL, help="Never repeat an N-token sequence already in the text."),
-]
-LogitBiasOption = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--logit-bias", metavar="TOKEN=BIAS", show_default=False, rich_help_panel=DECODING_PANEL,
-        help="Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
-    ),
-]
-MinNewTokensOption = Annotated[
-    int | None,
-    typer.Option(metavar="INT", show_default=False, rich_help_panel=STOPPING_PANEL, help="Do not stop at the end-of-text token before this many tokens."),
-]
-ColorProbsOption = Annotated[
-    bool,
-    typer.Option(
-        "--color-probs", metavar="", rich_help_panel=OUTPUT_PANEL,
-        help="In a terminal, colour each token by the probability the model gave it (red: unlikely).",
-    ),
-]
+def _switch(name: str, help: str, panel: str | None = None, **more: Any) -> Any:
+    """An on/off flag, off unless given; no metavar (Typer's '<bool>' says nothing here)."""
+    return typer.Option(name, metavar="", rich_help_panel=panel, help=help, **more)
 
 
-# The decoding flags `generate` and `chat` both take, by parameter name.
-DECODING_FLAGS = ("max_new_tokens", "temperature", "greedy", "top_k", "top_p", "min_p", "typical_p",
-                  "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
-                  "min_new_tokens", "seed", "ignore_eos")
+CheckpointOption = Annotated[Path | None, _option(
+    "PATH", "An HF directory, a .safetensors file or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
+    "--checkpoint", "-c", panel=MODEL_PANEL, exists=True)]
+ModelOption = Annotated[str | None, _option(
+    "NAME", "Without -c: a model on this machine, by name, preset or HF repo id (see 'lmcli models'). "
+            "With -c: the architecture or preset the checkpoint follows (optional when it has config.json).",
+    "--model", "-m", panel=MODEL_PANEL)]
+TokenizerOption = Annotated[Path | None, _option(
+    "PATH", "A tokenizer.json, tokenizer.model or HF directory to use instead of the checkpoint's own.",
+    "--tokenizer", panel=MODEL_PANEL, exists=True)]
+DeviceOption = Annotated[Device, typer.Option("--device", metavar=_one_of(Device), rich_help_panel=MODEL_PANEL, help="Where to run.")]
+DTypeOption = Annotated[DType, typer.Option(
+    "--dtype", metavar=_one_of(DType), rich_help_panel=MODEL_PANEL,
+    help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")]
+QuantizeOption = Annotated[Quantize | None, _option(
+    _one_of(Quantize), "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
+                       "Default: a GGUF file's own quantization, other checkpoints as stored.",
+    "--quantize", "-q", panel=MODEL_PANEL)]
 
 
-def _settings_from_flags(flags: dict[str, Any], **others: Any):
-    """GenerationSettings from a command's decoding flags (its locals()) and `others`."""
+# The decoding flags `generate` and `chat` share (a test checks that chat has every one of generate's),
+# declared once as the signature of `_decoding_options`; `_with_decoding_options` puts them into a command.
+def _decoding_options(
+    max_new_tokens: Annotated[int | None, _option(
+        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+        "--max-new-tokens", "--max-tokens", "-n")] = None,
+    temperature: Annotated[float | None, _option(
+        "T", f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.")] = None,
+    top_k: Annotated[int | None, _option("K", "Sample from the k most likely tokens.")] = None,
+    top_p: Annotated[float | None, _option("P", "Nucleus sampling: the smallest set with probability >= p, in (0, 1].")] = None,
+    min_p: Annotated[float | None, _option("P", "Drop tokens less likely than P times the most likely one, in [0, 1].")] = None,
+    typical_p: Annotated[float | None, _option(
+        "P", "Locally typical sampling: keep the most typical tokens up to mass P, in (0, 1].")] = None,
+    repetition_penalty: Annotated[float | None, _option("X", "Penalise tokens already present (> 1 discourages repeats).")] = None,
+    presence_penalty: Annotated[float | None, _option(
+        "X", "Subtract this from the logit of every token already generated, in [-2, 2].")] = None,
+    frequency_penalty: Annotated[float | None, _option(
+        "X", "Subtract this times the count of each token already generated, in [-2, 2].")] = None,
+    no_repeat_ngram_size: Annotated[int | None, _option("N", "Never repeat an N-token sequence already in the text.")] = None,
+    logit_bias: Annotated[list[str] | None, _option(
+        "TOKEN=BIAS", "Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
+        "--logit-bias")] = None,
+    greedy: Annotated[bool, _switch(
+        "--greedy", "Always take the most likely token (sampling is the default).", DECODING_PANEL)] = False,
+    seed: Annotated[int | None, _option("INT", "Random seed, for reproducible sampling (default: drawn at random).")] = None,
+    stop: Annotated[list[str] | None, _option(
+        "TEXT", "Stop before this text (repeatable); it is not printed. '\\n' is a newline, '\\\\' a backslash.",
+        "--stop", panel=STOPPING_PANEL)] = None,
+    min_new_tokens: Annotated[int | None, _option(
+        "INT", "Do not stop at the end-of-text token before this many tokens.", panel=STOPPING_PANEL)] = None,
+    ignore_eos: Annotated[bool, _switch(
+        "--ignore-eos", "Keep going past the tokenizer's end-of-text token.", STOPPING_PANEL)] = False,
+) -> None:
+    """Never called: its parameters are the shared decoding flags, in the order --help lists them."""
+
+
+DecodingFlags = dict[str, Any]  # the shared decoding flags' values, by parameter name
+
+
+def _with_decoding_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` as Typer should see it: its keyword-only `decoding: DecodingFlags` parameter replaced, in
+    place, by the flags of `_decoding_options`; their values reach `command` as that one dict."""
+    shared = inspect.signature(_decoding_options, eval_str=True).parameters
+    own = inspect.signature(command, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    for parameter in own.parameters.values():
+        if parameter.name == "decoding":
+            parameters += [flag.replace(kind=inspect.Parameter.KEYWORD_ONLY) for flag in shared.values()]
+        else:
+            parameters.append(parameter)
+
+    @functools.wraps(command)
+    def with_decoding_flags(**values: Any) -> None:
+        decoding = {name: values.pop(name) for name in shared}
+        command(**values, decoding=decoding)
+
+    with_decoding_flags.__signature__ = own.replace(parameters=parameters)  # type: ignore[attr-defined]
+    with_decoding_flags.__annotations__ = {parameter.name: parameter.annotation for parameter in parameters}
+    return with_decoding_flags
+
+
+ColorProbsOption = Annotated[bool, _switch(
+    "--color-probs", "In a terminal, colour each token by the probability the model gave it (red: unlikely).",
+    OUTPUT_PANEL)]
+
+
+def _settings_from_flags(decoding: DecodingFlags, **others: Any):
+    """GenerationSettings from a command's decoding flags and `others`."""
     from lmcli.jobs import unescape_line
     from lmcli.settings import GenerationSettings, parse_logit_bias
 
+    flags = dict(decoding)
+    logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
     return GenerationSettings.from_flags(
-        **{name: flags[name] for name in DECODING_FLAGS},
-        logit_bias=parse_logit_bias(flags["logit_bias"]),
-        stop=[unescape_line(text) for text in flags["stop"] or ()],  # '\n' is a newline, as in text input files
+        **flags,
+        logit_bias=parse_logit_bias(logit_bias),
+        stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         **others,
     )
 
@@ -351,6 +334,7 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
 
 
 @app.command()
+@_with_decoding_options
 def generate(
     prompt: Annotated[
         str | None,
@@ -365,75 +349,36 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    min_p: MinPOption = None,
-    typical_p: TypicalPOption = None,
-    repetition_penalty: RepetitionPenaltyOption = None,
-    presence_penalty: PresencePenaltyOption = None,
-    frequency_penalty: FrequencyPenaltyOption = None,
-    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
-    logit_bias: LogitBiasOption = None,
-    greedy: GreedyOption = False,
-    seed: SeedOption = None,
-    stop: StopOption = None,
-    min_new_tokens: MinNewTokensOption = None,
-    ignore_eos: IgnoreEosOption = False,
-    chat: Annotated[
-        bool, typer.Option("--chat", metavar="", rich_help_panel=PROMPT_PANEL, help="Wrap the prompt in the checkpoint's chat template, as the user message.")
-    ] = False,
-    system: Annotated[
-        str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="System message for --chat.")
-    ] = None,
-    no_truncate: Annotated[
-        bool, typer.Option("--no-truncate", metavar="", rich_help_panel=PROMPT_PANEL,
-                           help="Refuse a prompt longer than the model's context (default: drop its start, with a warning).")
-    ] = False,
-    output_format: Annotated[
-        OutputFormat | None,
-        typer.Option("--format", metavar="[text|jsonl]", show_default=False, rich_help_panel=OUTPUT_PANEL, help="text (default) or jsonl: one JSON object per prompt."),
-    ] = None,
-    logprobs: Annotated[
-        int | None,
-        typer.Option(
-            metavar="K", show_default=False, rich_help_panel=OUTPUT_PANEL,
-            help="In JSON output, each token's log-probability and the top K alternatives.",
-        ),
-    ] = None,
-    stats: Annotated[
-        bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).")
-    ] = False,
+    *,
+    decoding: DecodingFlags,
+    chat: Annotated[bool, _switch(
+        "--chat", "Wrap the prompt in the checkpoint's chat template, as the user message.", PROMPT_PANEL)] = False,
+    system: Annotated[str | None, _option("TEXT", "System message for --chat.", panel=PROMPT_PANEL)] = None,
+    no_truncate: Annotated[bool, _switch(
+        "--no-truncate", "Refuse a prompt longer than the model's context (default: drop its start, with a warning).",
+        PROMPT_PANEL)] = False,
+    output_format: Annotated[OutputFormat | None, _option(
+        _one_of(OutputFormat), "text (default) or jsonl: one JSON object per prompt.", "--format", panel=OUTPUT_PANEL)] = None,
+    logprobs: Annotated[int | None, _option(
+        "K", "In JSON output, each token's log-probability and the top K alternatives.", panel=OUTPUT_PANEL)] = None,
+    stats: Annotated[bool, _switch(
+        "--stats", "Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).",
+        OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
-    input_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--input", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL,
-            help="Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
-        ),
-    ] = None,
-    output_path: Annotated[
-        Path | None,
-        typer.Option("--output", "-o", metavar="FILE", dir_okay=False, show_default=False, rich_help_panel=JOBS_PANEL, help="Write the job's JSONL rows here (default: stdout), with a progress bar."),
-    ] = None,
-    batch_size: Annotated[
-        int | None,
-        typer.Option(metavar="INT", min=1, show_default=False, rich_help_panel=JOBS_PANEL, help="Rows per batch (default: 8 on CPU, 32 on GPU)."),
-    ] = None,
-    resume: Annotated[
-        bool, typer.Option("--resume", metavar="", rich_help_panel=JOBS_PANEL, help="Finish an interrupted job: keep the rows already in --output, run the rest.")
-    ] = False,
-    overwrite: Annotated[
-        bool, typer.Option("--overwrite", metavar="", rich_help_panel=JOBS_PANEL, help="Replace an existing --output file.")
-    ] = False,
-    tp: Annotated[
-        int | None,
-        typer.Option(
-            "--tp", metavar="N", min=1, show_default=False, rich_help_panel=MODEL_PANEL,
-            help="Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
-        ),
-    ] = None,
+    input_path: Annotated[Path | None, _option(
+        "FILE", "Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
+        "--input", panel=JOBS_PANEL, exists=True, dir_okay=False)] = None,
+    output_path: Annotated[Path | None, _option(
+        "FILE", "Write the job's JSONL rows here (default: stdout), with a progress bar.",
+        "--output", "-o", panel=JOBS_PANEL, dir_okay=False)] = None,
+    batch_size: Annotated[int | None, _option(
+        "INT", "Rows per batch (default: 8 on CPU, 32 on GPU).", panel=JOBS_PANEL, min=1)] = None,
+    resume: Annotated[bool, _switch(
+        "--resume", "Finish an interrupted job: keep the rows already in --output, run the rest.", JOBS_PANEL)] = False,
+    overwrite: Annotated[bool, _switch("--overwrite", "Replace an existing --output file.", JOBS_PANEL)] = False,
+    tp: Annotated[int | None, _option(
+        "N", "Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
+        "--tp", panel=MODEL_PANEL, min=1)] = None,
 ) -> None:
     """Generate a completion for PROMPT, or for every row of --input.
 
@@ -451,7 +396,7 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
-    settings = _settings_from_flags(locals(), chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
+    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
@@ -643,53 +588,27 @@ def _run_job(input_path, output_path, settings, load, batch_size, resume, overwr
 
 
 @app.command()
+@_with_decoding_options
 def chat(
     ctx: typer.Context,
     model: ModelOption = None,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    max_new_tokens: MaxNewTokensOption = None,
-    temperature: TemperatureOption = None,
-    top_k: TopKOption = None,
-    top_p: TopPOption = None,
-    min_p: MinPOption = None,
-    typical_p: TypicalPOption = None,
-    repetition_penalty: RepetitionPenaltyOption = None,
-    presence_penalty: PresencePenaltyOption = None,
-    frequency_penalty: FrequencyPenaltyOption = None,
-    no_repeat_ngram_size: NoRepeatNgramSizeOption = None,
-    logit_bias: LogitBiasOption = None,
-    greedy: GreedyOption = False,
-    seed: SeedOption = None,
-    stop: StopOption = None,
-    min_new_tokens: MinNewTokensOption = None,
-    ignore_eos: IgnoreEosOption = False,
-    system: Annotated[
-        str | None, typer.Option(metavar="TEXT", show_default=False, rich_help_panel=PROMPT_PANEL, help="The system message.")
-    ] = None,
-    context: Annotated[
-        int | None,
-        typer.Option(
-            min=2, metavar="TOKENS", show_default=False, rich_help_panel=PROMPT_PANEL,
-            help="Most tokens the conversation keeps before its oldest turns are dropped"
-            " (default: the model's context, at most 4096).",
-        ),
-    ] = None,
-    resume: Annotated[
-        Path | None,
-        typer.Option(
-            "--resume", metavar="FILE", exists=True, dir_okay=False, show_default=False, rich_help_panel=PROMPT_PANEL,
-            help="Continue a transcript saved with /save (its settings too, unless given as flags).",
-        ),
-    ] = None,
-    markdown: Annotated[
-        bool, typer.Option("--markdown", metavar="", rich_help_panel=OUTPUT_PANEL, help="In a terminal, show each finished reply rendered as Markdown.")
-    ] = False,
+    *,
+    decoding: DecodingFlags,
+    system: Annotated[str | None, _option("TEXT", "The system message.", panel=PROMPT_PANEL)] = None,
+    context: Annotated[int | None, _option(
+        "TOKENS", "Most tokens the conversation keeps before its oldest turns are dropped"
+                  " (default: the model's context, at most 4096).", panel=PROMPT_PANEL, min=2)] = None,
+    resume: Annotated[Path | None, _option(
+        "FILE", "Continue a transcript saved with /save (its settings too, unless given as flags).",
+        "--resume", panel=PROMPT_PANEL, exists=True, dir_okay=False)] = None,
+    markdown: Annotated[bool, _switch(
+        "--markdown", "In a terminal, show each finished reply rendered as Markdown.", OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
-    stats: Annotated[
-        bool, typer.Option("--stats", metavar="", rich_help_panel=OUTPUT_PANEL, help="After each reply, print tokens, tokens/s and the prefill count on stderr.")
-    ] = False,
+    stats: Annotated[bool, _switch(
+        "--stats", "After each reply, print tokens, tokens/s and the prefill count on stderr.", OUTPUT_PANEL)] = False,
 ) -> None:
     """Talk with the model: a conversation over the checkpoint's chat template.
 
@@ -702,7 +621,7 @@ def chat(
     from lmcli.chat import ChatOptions, run_chat
     from lmcli.settings import read_model_defaults
 
-    settings = _settings_from_flags(locals(), chat=True, system=system)
+    settings = _settings_from_flags(decoding, chat=True, system=system)
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
@@ -903,6 +822,12 @@ def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[st
 
 _BENCH_PANEL = "What to measure"
 _BENCH = BenchSettings()  # the defaults, shown in --help
+_measure = functools.partial(_option, panel=_BENCH_PANEL)
+
+
+def _listed(values: Sequence[object]) -> str:
+    """A list's default as the LIST flags take it: comma-separated."""
+    return ",".join(map(str, values))
 
 
 @app.command()
@@ -911,47 +836,36 @@ def bench(
     model: ModelOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
-    engines: Annotated[str | None, typer.Option(
-        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
-        help="Engines to compare, comma-separated: lmcli, transformers, llama.cpp (when llama-cpp-python is "
-             f"importable). Default: {','.join(_BENCH.engines)}.")] = None,
-    formats: Annotated[str | None, typer.Option(
-        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
-        help="lmcli weight formats, comma-separated: float (quantize=none, --dtype), native (the GGUF's own "
-             f"quantization), int4, int8 (--quantize). Default: {','.join(_BENCH.formats)}.")] = None,
-    max_new_tokens: Annotated[int | None, typer.Option(
-        "--max-new-tokens", "-n", metavar="INT", min=2, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help=f"New tokens per decode run. Default: {_BENCH.new_tokens}.")] = None,
-    batch_size: Annotated[int | None, typer.Option(metavar="INT",
-        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help=f"Decode runs at batch 1 and at this batch size. Default: {max(_BENCH.batch_sizes)}.")] = None,
-    prompt_tokens: Annotated[int | None, typer.Option(metavar="INT",
-        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help=f"Prompt length before the decode runs. Default: {_BENCH.prompt_tokens}.")] = None,
-    prefill_tokens: Annotated[int | None, typer.Option(metavar="INT",
-        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help=f"Prompt length of the prefill / time-to-first-token run. Default: {_BENCH.prefill_tokens}.")] = None,
-    repeats: Annotated[int | None, typer.Option(metavar="INT",
-        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help=f"Interleaved rounds; the figures are their medians. Default: {_BENCH.repeats}.")] = None,
-    contexts: Annotated[str | None, typer.Option(
-        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
-        help="Contexts for lmcli's decode scaling, comma-separated ('' for none). "
-             f"Default: {','.join(map(str, _BENCH.scaling_contexts))}.")] = None,
-    scaling_batches: Annotated[str | None, typer.Option(
-        metavar="LIST", show_default=False, rich_help_panel=_BENCH_PANEL,
-        help="Batch sizes for lmcli's decode scaling, comma-separated ('' for none). "
-             f"Default: {','.join(map(str, _BENCH.scaling_batches))}.")] = None,
-    skip_quality: Annotated[bool, typer.Option(
-        "--no-quality", metavar="", rich_help_panel=_BENCH_PANEL,
-        help="Skip the quality figures (greedy agreement and KL divergence of quantized formats).")] = False,
-    quick: Annotated[bool, typer.Option(
-        "--quick", metavar="", rich_help_panel=_BENCH_PANEL,
-        help="One round, no 4k context or batch 32, a shorter quality check.")] = False,
-    threads: Annotated[int | None, typer.Option(metavar="INT",
-        min=1, show_default=False, rich_help_panel=_BENCH_PANEL,
-        help="Threads per engine. Default: torch's thread count.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the results as JSON instead of tables.")] = False,
+    engines: Annotated[str | None, _measure(
+        "LIST", "Engines to compare, comma-separated: lmcli, transformers, llama.cpp (when llama-cpp-python is "
+                f"importable). Default: {_listed(_BENCH.engines)}.")] = None,
+    formats: Annotated[str | None, _measure(
+        "LIST", "lmcli weight formats, comma-separated: float (quantize=none, --dtype), native (the GGUF's own "
+                f"quantization), int4, int8 (--quantize). Default: {_listed(_BENCH.formats)}.")] = None,
+    max_new_tokens: Annotated[int | None, _measure(
+        "INT", f"New tokens per decode run. Default: {_BENCH.new_tokens}.", "--max-new-tokens", "-n", min=2)] = None,
+    batch_size: Annotated[int | None, _measure(
+        "INT", f"Decode runs at batch 1 and at this batch size. Default: {max(_BENCH.batch_sizes)}.", min=1)] = None,
+    prompt_tokens: Annotated[int | None, _measure(
+        "INT", f"Prompt length before the decode runs. Default: {_BENCH.prompt_tokens}.", min=1)] = None,
+    prefill_tokens: Annotated[int | None, _measure(
+        "INT", f"Prompt length of the prefill / time-to-first-token run. Default: {_BENCH.prefill_tokens}.",
+        min=1)] = None,
+    repeats: Annotated[int | None, _measure(
+        "INT", f"Interleaved rounds; the figures are their medians. Default: {_BENCH.repeats}.", min=1)] = None,
+    contexts: Annotated[str | None, _measure(
+        "LIST", "Contexts for lmcli's decode scaling, comma-separated ('' for none). "
+                f"Default: {_listed(_BENCH.scaling_contexts)}.")] = None,
+    scaling_batches: Annotated[str | None, _measure(
+        "LIST", "Batch sizes for lmcli's decode scaling, comma-separated ('' for none). "
+                f"Default: {_listed(_BENCH.scaling_batches)}.")] = None,
+    skip_quality: Annotated[bool, _switch(
+        "--no-quality", "Skip the quality figures (greedy agreement and KL divergence of quantized formats).",
+        _BENCH_PANEL)] = False,
+    quick: Annotated[bool, _switch(
+        "--quick", "One round, no 4k context or batch 32, a shorter quality check.", _BENCH_PANEL)] = False,
+    threads: Annotated[int | None, _measure("INT", "Threads per engine. Default: torch's thread count.", min=1)] = None,
+    as_json: Annotated[bool, _switch("--json", "Print the results as JSON instead of tables.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module

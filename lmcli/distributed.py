@@ -22,6 +22,9 @@ gathered logits with the same seeds; rank 0's tokens are broadcast each step all
 ranks cannot drift apart.
 
 Data parallel (batch jobs without --tp): see `run_data_parallel_job`.
+
+One concern, so one file even past ~450 lines: running on several processes under torchrun (the
+process group, each rank's share of the weights, and each rank's share of a job's rows).
 """
 
 from __future__ import annotations

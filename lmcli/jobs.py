@@ -39,6 +39,9 @@ Job semantics (this is what the README documents):
 - A bad row (invalid JSON, no prompt, a bad setting, a prompt too long for the
   model) becomes an output row with an `error` field; the job goes on and exits
   non-zero at the end.
+
+One concern, so one file even past ~450 lines: the job file (its input rows, its output rows, resume).
+Generating the rows is generation/rows.py's, the settings are settings.py's, the progress bar console.py's.
 """
 
 from __future__ import annotations

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError, UsageError
+from lmcli.generation.decoding_fields import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
+from lmcli.generation.decoding_fields import WARPERS, DecodingFields
 
-DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_TEMPERATURE = 0.8
 
 # How each setting is named to the user, on the command line and in a JSONL row.
@@ -61,7 +62,6 @@ INTEGER_SETTINGS = ("seed", "max_new_tokens", "top_k", "no_repeat_ngram_size", "
 NUMBER_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
 TRUNCATION = ("top_k", "top_p")  # one unit: a layer that sets either replaces both
-WARPERS = ("top_k", "top_p", "min_p", "typical_p")  # apply only when sampling
 # What the model's own defaults may set.
 MODEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "max_new_tokens")
 
@@ -84,20 +84,11 @@ class ModelDefaults:
 
 
 @dataclass(frozen=True)
-class GenerationSettings:
-    """Everything that decides a completion besides the prompt and the model. Validated on creation."""
+class GenerationSettings(DecodingFields):
+    """Everything that decides a completion besides the prompt and the model: the decoding fields
+    (lmcli.generation.decoding_fields) and the ones below. Validated on creation."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE  # 0 means greedy (argmax)
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    min_new_tokens: int | None = None
+    temperature: float = DEFAULT_TEMPERATURE  # lmcli's default (the field keeps its place among the decoding fields)
     logit_bias: tuple[tuple[str, float], ...] = ()  # (token as text or as an id, bias), resolved with the tokenizer
     seed: int | None = None  # as given; rows without one draw their own
     stop: tuple[str, ...] = ()
@@ -109,10 +100,6 @@ class GenerationSettings:
     # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     def source(self, name: str) -> str:
         return self.sources.get(name, DEFAULT)
@@ -245,12 +232,11 @@ class GenerationSettings:
         """The sampling part, for lmcli.generation.sampling (logit_bias as given, not yet token ids)."""
         from lmcli.generation.sampling import SamplingSettings
 
-        return SamplingSettings(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            typical_p=self.typical_p, repetition_penalty=self.repetition_penalty,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            no_repeat_ngram_size=self.no_repeat_ngram_size, min_new_tokens=self.min_new_tokens, seed=self.seed,
-        )
+        return SamplingSettings(**self._decoding(), seed=self.seed)
+
+    def _decoding(self) -> dict[str, Any]:
+        """The decoding fields' values, by name, in their order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingFields)}
 
     def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
         """Raise `error` with one line saying which setting is wrong and why."""
@@ -295,17 +281,12 @@ class GenerationSettings:
 
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
-        return (*(getattr(self, name) for name in MODEL_SETTINGS if name != "max_new_tokens"),
-                self.presence_penalty, self.frequency_penalty, self.no_repeat_ngram_size, self.min_new_tokens,
-                self.logit_bias, self.ignore_eos, self.logprobs)
+        sampling = (value for name, value in self._decoding().items() if name != "max_new_tokens")
+        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs)
 
     def used(self) -> dict[str, Any]:
         """The decoding settings in effect (those that are on), as JSON output records them."""
-        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature}
-        for name in ("top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
-                     "frequency_penalty", "no_repeat_ngram_size", "min_new_tokens"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
+        out = {name: value for name, value in self._decoding().items() if value is not None}
         if self.logit_bias:
             out["logit_bias"] = dict(self.logit_bias)
         return out

@@ -63,3 +63,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """tiny_models(case): tests/tiny.py's random model of `case` (64 positions, vocabulary 97), saved
+    and loaded with lmcli once per module."""
+    # Imported here, not at the top (they import torch), as in one_thread.
+    from tiny import save_reference
+
+    import lmcli
+
+    models = {}
+
+    def get(case: str):
+        if case not in models:
+            directory = tmp_path_factory.mktemp(case)
+            save_reference(case, directory)
+            models[case] = lmcli.load(directory)[0]
+        return models[case]
+
+    return get

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MIXED_TEXTS = [
     "Hello world! The quick brown fox jumps over the lazy dog.",
@@ -116,18 +118,13 @@ def write_tokenizer_gguf(path: Path, architecture: str, model: str, tokens: list
         writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
-    if scores is not None:
-        writer.add_token_scores(scores)
-    if merges is not None:
-        writer.add_token_merges(merges)
-    if bos is not None:
-        writer.add_bos_token_id(bos)
-    if eos is not None:
-        writer.add_eos_token_id(eos)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
-    if chat_template is not None:
-        writer.add_chat_template(chat_template)
+    optional: list[tuple[Any, Callable[[Any], None]]] = [
+        (scores, writer.add_token_scores), (merges, writer.add_token_merges), (bos, writer.add_bos_token_id),
+        (eos, writer.add_eos_token_id), (add_bos, writer.add_add_bos_token), (chat_template, writer.add_chat_template),
+    ]
+    for value, add in optional:  # each key only when given
+        if value is not None:
+            add(value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -14,21 +14,6 @@ from lmcli.models.cache import KVCache, ModelCache, RollingKVCache
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def load(tmp_path_factory):
-    """load(case): the tiny model of `case`, saved and loaded once per module."""
-    models = {}
-
-    def loader(case):
-        if case not in models:
-            directory = tmp_path_factory.mktemp(case)
-            save_reference(case, directory)
-            models[case] = lmcli.load(directory)[0]
-        return models[case]
-
-    return loader
-
-
 def capture_caches(model, monkeypatch, transform=None):
     """Make model.init_cache record (and optionally traverse) every cache it returns."""
     caches = []
@@ -52,8 +37,8 @@ def tensors(cache):
 # --- shapes and kinds -----------------------------------------------------------------------------
 
 
-def test_init_cache_gives_sliding_layers_a_ring_of_exactly_the_window(load):
-    model = load("gemma2")  # layers: sliding (window 4), full, sliding
+def test_init_cache_gives_sliding_layers_a_ring_of_exactly_the_window(tiny_models):
+    model = tiny_models("gemma2")  # layers: sliding (window 4), full, sliding
     config = model.config
     cache = model.init_cache(2, 20)
     assert isinstance(cache, ModelCache)
@@ -68,8 +53,8 @@ def test_init_cache_gives_sliding_layers_a_ring_of_exactly_the_window(load):
     assert all(layer.keys.shape[2] == 3 for layer in short.layers)
 
 
-def test_a_cache_is_allocated_once_per_call(load, monkeypatch):
-    model = load("mistral")
+def test_a_cache_is_allocated_once_per_call(tiny_models, monkeypatch):
+    model = tiny_models("mistral")
     caches = capture_caches(model, monkeypatch)
     ids = torch.stack(prompts([6, 6]))
     model.generate(ids, 12, do_sample=False)
@@ -85,8 +70,8 @@ def test_a_cache_is_allocated_once_per_call(load, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["mistral", "mixtral", "qwen2-window", "gemma2", "gemma3_text"])
-def test_rolling_cache_memory_does_not_grow_with_the_text(load, monkeypatch, case):
-    model = load(case)
+def test_rolling_cache_memory_does_not_grow_with_the_text(tiny_models, monkeypatch, case):
+    model = tiny_models(case)
     window = model.config.sliding_window
     sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
     caches = capture_caches(model, monkeypatch)
@@ -158,9 +143,9 @@ def test_static_cache_writes_by_slot():
 
 
 @pytest.mark.parametrize("case", ["gpt2", "llama", "mistral", "mixtral", "qwen2-window", "gemma2", "gemma3_text"])
-def test_cached_logits_equal_full_recomputation(load, case):
+def test_cached_logits_equal_full_recomputation(tiny_models, case):
     """Every step's logits, for a left-padded batch whose prompts are shorter and longer than the window."""
-    model = load(case)
+    model = tiny_models(case)
     ids, mask = left_pad(prompts([2, 9, 6], seed=2))
     runs = {}
     for use_cache in (True, False):
@@ -175,8 +160,8 @@ def test_cached_logits_equal_full_recomputation(load, case):
 # --- traverse_cache --------------------------------------------------------------------------------
 
 
-def test_traverse_cache_applies_fn_to_every_batched_tensor(load):
-    model = load("gemma2")
+def test_traverse_cache_applies_fn_to_every_batched_tensor(tiny_models):
+    model = tiny_models("gemma2")
     cache = model.init_cache(3, 20)
     before = cache.nbytes()
     seen = []
@@ -201,8 +186,8 @@ def test_traverse_cache_applies_fn_to_every_batched_tensor(load):
 
 
 @pytest.mark.parametrize("case", ["mistral", "gemma2"])
-def test_generation_runs_with_a_traversed_cache(load, monkeypatch, case):
-    model = load(case)
+def test_generation_runs_with_a_traversed_cache(tiny_models, monkeypatch, case):
+    model = tiny_models(case)
     ids, mask = left_pad(prompts([3, 9], seed=3))
     plain = model.generate(ids, 12, do_sample=False, attention_mask=mask)
     # float64 holds float32 keys exactly: the very same tokens

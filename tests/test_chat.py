@@ -26,7 +26,6 @@ import pytest
 import torch
 from cli_fixtures import run_lmcli, subprocess_env, tiny_checkpoint  # noqa: F401
 from real_models import smollm2_gguf  # noqa: F401
-from tiny import save_reference
 
 import lmcli
 from lmcli.chat import ChatError, ChatSession, piped_messages
@@ -90,21 +89,6 @@ class CharTokenizer:
 
     def text(self, *ids: int) -> str:
         return "".join(chr(self.OFFSET + i) for i in ids)
-
-
-@pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory):
-    """tests/tiny.py's random models (64 positions, vocabulary 97), loaded once per case."""
-    models = {}
-
-    def get(case: str):
-        if case not in models:
-            directory = tmp_path_factory.mktemp(case)
-            save_reference(case, directory)
-            models[case] = lmcli.load(directory)[0]
-        return models[case]
-
-    return get
 
 
 # ----------------------------------------------------------------------------- the session

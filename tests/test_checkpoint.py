@@ -85,19 +85,20 @@ def test_garbage_file_is_an_error(llama_dir):
         lmcli.load(llama_dir)
 
 
+def with_model_type(directory, model_type: str):
+    """The checkpoint in `directory`, its config.json now saying `model_type`."""
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "model_type": model_type}))
+    return directory
+
+
 def test_unknown_architecture(llama_dir):
-    config = json.loads((llama_dir / "config.json").read_text())
-    config["model_type"] = "bert"
-    (llama_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="unknown architecture 'bert'"):
-        lmcli.load(llama_dir)
+        lmcli.load(with_model_type(llama_dir, "bert"))
 
 
 def test_model_name_supplies_architecture_for_unusual_model_type(llama_dir):
-    config = json.loads((llama_dir / "config.json").read_text())
-    config["model_type"] = "my-finetune"
-    (llama_dir / "config.json").write_text(json.dumps(config))
-    model, _ = lmcli.load(llama_dir, model="llama")
+    model, _ = lmcli.load(with_model_type(llama_dir, "my-finetune"), model="llama")
     assert model.config.architecture == "llama"
 
 

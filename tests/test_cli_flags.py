@@ -107,19 +107,12 @@ def test_temperature_and_seed(tiny_checkpoint, loaded, temperature):
     assert row["seed"] == 11
 
 
-def test_top_k(tiny_checkpoint, loaded):
+@pytest.mark.parametrize(("flag", "argument", "value"), [("--top-k", "top_k", 3), ("--top-p", "top_p", 0.5)])
+def test_top_k_and_top_p(tiny_checkpoint, loaded, flag, argument, value):
     ids = prompt_ids(loaded)
-    expected = direct(loaded, ids, do_sample=True, temperature=3.0, top_k=3, seed=5)
+    expected = direct(loaded, ids, do_sample=True, temperature=3.0, seed=5, **{argument: value})
     assert expected != direct(loaded, ids, do_sample=True, temperature=3.0, seed=5)
-    row = cli_row(tiny_checkpoint, "--temperature", 3.0, "--top-k", 3, "--seed", 5, "--ignore-eos", "-n", N)
-    assert_same(row, loaded, expected)
-
-
-def test_top_p(tiny_checkpoint, loaded):
-    ids = prompt_ids(loaded)
-    expected = direct(loaded, ids, do_sample=True, temperature=3.0, top_p=0.5, seed=5)
-    assert expected != direct(loaded, ids, do_sample=True, temperature=3.0, seed=5)
-    row = cli_row(tiny_checkpoint, "--temperature", 3.0, "--top-p", 0.5, "--seed", 5, "--ignore-eos", "-n", N)
+    row = cli_row(tiny_checkpoint, "--temperature", 3.0, flag, value, "--seed", 5, "--ignore-eos", "-n", N)
     assert_same(row, loaded, expected)
 
 

@@ -10,17 +10,7 @@ import shutil
 import pytest
 import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
-from transformers.generation.logits_process import (
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    NoRepeatNGramLogitsProcessor,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
+from transformers.generation import logits_process as hf
 from typer.testing import CliRunner
 
 import lmcli
@@ -73,9 +63,9 @@ def test_sampling_flags_equal_transformers_processors(tiny_checkpoint, loaded):
              "--no-repeat-ngram-size", 2, "--logit-bias", "5=3", "--logit-bias", f"{text}=-100",
              "--seed", 7, "-n", 16, "--ignore-eos"]
     row = run_json(tiny_checkpoint, "Once upon", *flags)
-    processors = [SequenceBiasLogitsProcessor([[[5], 3.0], [[text_id], -100.0]]), RepetitionPenaltyLogitsProcessor(1.3),
-                  NoRepeatNGramLogitsProcessor(2), TemperatureLogitsWarper(0.9), TopKLogitsWarper(30),
-                  MinPLogitsWarper(0.05), TypicalLogitsWarper(0.95)]
+    processors = [hf.SequenceBiasLogitsProcessor([[[5], 3.0], [[text_id], -100.0]]), hf.RepetitionPenaltyLogitsProcessor(1.3),
+                  hf.NoRepeatNGramLogitsProcessor(2), hf.TemperatureLogitsWarper(0.9), hf.TopKLogitsWarper(30),
+                  hf.MinPLogitsWarper(0.05), hf.TypicalLogitsWarper(0.95)]
     assert ids_of(row) == direct(loaded, "Once upon", 16, True, processors, seed=7)
     assert text_id not in ids_of(row)
     assert row["settings"] == {"max_new_tokens": 16, "temperature": 0.9, "top_k": 30, "min_p": 0.05, "typical_p": 0.95,
@@ -120,7 +110,7 @@ def test_min_new_tokens_holds_back_eos(tiny_checkpoint, loaded):
     assert forced["completion_tokens"] == 1 and forced["finish_reason"] == "eos"
     row = run_json(tiny_checkpoint, "Hello", "--greedy", "--logit-bias", f"{EOS}=100", "--min-new-tokens", 4, "-n", 10)
     prompt_length = len(loaded[1].encode("Hello"))
-    processors = [SequenceBiasLogitsProcessor([[[EOS], 100.0]]), MinNewTokensLengthLogitsProcessor(prompt_length, 4, EOS)]
+    processors = [hf.SequenceBiasLogitsProcessor([[[EOS], 100.0]]), hf.MinNewTokensLengthLogitsProcessor(prompt_length, 4, EOS)]
     assert ids_of(row) == direct(loaded, "Hello", 10, False, processors, eos=EOS)
     assert row["completion_tokens"] == 5 and row["finish_reason"] == "eos"
 
@@ -157,11 +147,11 @@ def with_defaults(tiny_checkpoint, tmp_path_factory):
 
 def test_model_defaults_apply_under_the_flags(with_defaults, loaded):
     row = run_json(with_defaults, "Once upon", "--seed", 3, "--ignore-eos")
-    processors = [RepetitionPenaltyLogitsProcessor(1.2), TemperatureLogitsWarper(0.7), TopKLogitsWarper(10)]
+    processors = [hf.RepetitionPenaltyLogitsProcessor(1.2), hf.TemperatureLogitsWarper(0.7), hf.TopKLogitsWarper(10)]
     assert ids_of(row) == direct(loaded, "Once upon", 9, True, processors, seed=3)  # same weights as the tiny model
     assert row["settings"] == {"max_new_tokens": 9, "temperature": 0.7, "top_k": 10, "repetition_penalty": 1.2}
     greedy = run_json(with_defaults, "Once upon", "--temperature", 0, "-n", 6, "--ignore-eos")
-    assert ids_of(greedy) == direct(loaded, "Once upon", 6, False, [RepetitionPenaltyLogitsProcessor(1.2)])
+    assert ids_of(greedy) == direct(loaded, "Once upon", 6, False, [hf.RepetitionPenaltyLogitsProcessor(1.2)])
     assert greedy["settings"] == {"max_new_tokens": 6, "temperature": 0.0, "repetition_penalty": 1.2}
 
 
@@ -194,11 +184,11 @@ def test_flag_beats_row_beats_model_default(with_defaults, loaded):
     # and max_new_tokens from the row (not the model's 1.2 and 9), the seed from the row
     assert row["settings"] == {"max_new_tokens": 12, "temperature": 0.9, "top_p": 0.8, "repetition_penalty": 1.1}
     assert row["seed"] == 4
-    processors = [RepetitionPenaltyLogitsProcessor(1.1), TemperatureLogitsWarper(0.9), TopPLogitsWarper(0.8)]
+    processors = [hf.RepetitionPenaltyLogitsProcessor(1.1), hf.TemperatureLogitsWarper(0.9), hf.TopPLogitsWarper(0.8)]
     assert ids_of(row) == direct(loaded, "Once upon", 12, True, processors, seed=4)
 
     # a greedy flag makes a sampling row greedy (the model's top-k does not apply)
-    greedy = direct(loaded, "Once upon", 6, False, [RepetitionPenaltyLogitsProcessor(1.2)])
+    greedy = direct(loaded, "Once upon", 6, False, [hf.RepetitionPenaltyLogitsProcessor(1.2)])
     row = run_job({"temperature": 0.5, "top_k": 5, "max_new_tokens": 6}, "--greedy")
     assert row["settings"] == {"max_new_tokens": 6, "temperature": 0.0, "repetition_penalty": 1.2}
     assert ids_of(row) == greedy

@@ -33,16 +33,23 @@ def llama_template(tmp_path_factory):
 
 @pytest.fixture
 def llama_dir(llama_template, tmp_path):
-    for path in llama_template.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
-    return tmp_path
+    return copy_files(llama_template, tmp_path)
+
+
+def copy_files(source: Path, target: Path) -> Path:
+    """`target` with a copy of each file of the checkpoint directory `source`, for a test to damage."""
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def edit_json(path: Path, change) -> Path:
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+    return path
 
 
 def edit_config(directory, change):
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    path.write_text(json.dumps(change(config)))
-    return path
+    return edit_json(directory / "config.json", change)
 
 
 # --- config.json -------------------------------------------------------------------------------
@@ -311,14 +318,11 @@ HOSTILE_TEMPLATES = {
 
 @pytest.fixture
 def template_dir(tiny_checkpoint, tmp_path):
-    for path in tiny_checkpoint.iterdir():
-        (tmp_path / path.name).write_bytes(path.read_bytes())
-    return tmp_path
+    return copy_files(tiny_checkpoint, tmp_path)
 
 
 def with_template(directory, template):
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    edit_json(directory / "tokenizer_config.json", lambda config: {**config, "chat_template": template})
 
 
 @pytest.mark.parametrize("template", list(HOSTILE_TEMPLATES))

@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from lmcli.generation.decoding_fields import WARPERS, DecodingFields
+
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0..2**64-1 (a negative seed aliases one of those)
@@ -408,28 +410,13 @@ def make_sampler(do_sample: bool, seed: Any, batch_size: int, device: torch.devi
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
-    """The sampling part of the settings, in their convention (temperature 0 means greedy; None means
-    off). `check()` holds every rule; `policy()` turns them into generate()'s arguments."""
+class SamplingSettings(DecodingFields):
+    """The decoding settings in their convention (temperature 0 means greedy; None means off), with the
+    logit bias by token id. `check()` holds every sampling rule; `policy()` turns them into generate()'s
+    arguments. (max_new_tokens is generate()'s own argument: neither uses it.)"""
 
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    min_p: float | None = None
-    typical_p: float | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    no_repeat_ngram_size: int | None = None
-    min_new_tokens: int | None = None
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
-
-    WARPERS = ("top_k", "top_p", "min_p", "typical_p")  # settings that only apply when sampling
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
     def check(self) -> None:
         """Raise SamplingError for the first setting that breaks its rule. (Top-k with top-p is allowed
@@ -437,7 +424,7 @@ class SamplingSettings:
         if not self.greedy:
             _require_number("temperature", self.temperature, lambda v: v >= 0, "must be >= 0 (0 means greedy)")
         else:
-            for name in self.WARPERS:
+            for name in WARPERS:
                 if getattr(self, name) is not None:
                     raise SamplingError(name, "only applies to sampling, not greedy decoding")
         for name, check in (("top_k", check_top_k), ("top_p", check_top_p), ("min_p", check_min_p),
