@@ -12,7 +12,7 @@ import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -170,7 +170,7 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
             hf_config, metadata = gguf.hf_config, gguf.metadata
             hf_config["torch_dtype"] = "float32"
             stored_kinds = gguf.quantized_kinds()
-            weights = gguf.tensors()
+            weights = cast(Iterator[tuple[str, Any]], gguf.tensors())
         else:  # GGUF weights are quantised or float: `auto` is decided by the device alone.
             checkpoint = load_gguf_cached(path, resolve_dtype(dtype, device))
             hf_config, metadata = checkpoint.hf_config, checkpoint.metadata
@@ -219,10 +219,11 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
             parallel = distributed.parallel_for(tp, config)  # checks the split before reading weights
         if parallel is not None:
             device = distributed.rank_device(device)
-            tensors, origin = distributed.lazy_safetensors(files)  # read per rank after the renames
+            lazy, origin = distributed.lazy_safetensors(files)  # read per rank after the renames
+            weights = _drained(dict(lazy))
         else:
-            tensors, origin = read_safetensors(files, target_dtype)
-        weights = _drained(tensors)
+            read, origin = read_safetensors(files, target_dtype)
+            weights = _drained(dict(read))
         source = str(files[0]) if len(files) == 1 else str(path)
         from lmcli.io.tokenizer import load_tokenizer
 
@@ -244,10 +245,10 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({reason})") from None
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
-        tensors = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
+        floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
     else:
-        tensors = {name: t.to(device=device) for name, t in weights}
-    fill_model(built, tensors, source, origin)
+        floats = {name: t.to(device=device) for name, t in weights}
+    fill_model(built, floats, source, origin)
     built.use_fast_layout()
     built.eval()
     release_freed_memory()

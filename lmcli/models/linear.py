@@ -450,7 +450,7 @@ class KernelChoice:
         return f"{self.kind} ({self.dtype}): {self.kernel}{large} — {self.why}"
 
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3  # 3: measured in a child process (plans measured in-process under load were unreliable)
 _PROBE_SHAPE = (1024, 1024)  # (N, K): 1M weights, big enough to time, small enough to do at load
 _ROW_COUNTS = (1, 16, 64)
 
