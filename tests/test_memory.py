@@ -7,10 +7,11 @@ peak and nothing this test process holds counts. The bound is independent of lmc
 footprint is that of a bare `import torch`, the file size comes from the file system and the KV cache
 from the model's sizes at 4 bytes per value (float32, the widest activation dtype lmcli picks on CPU).
 
-The bound is not reached yet (decoding a GGUF holds every tensor's codes and float32 scales until the
-model is built, and the tokenizer adds ~40 MB): the issue's bound is therefore a strict xfail, which
-fails loudly the day it holds, and a regression bound measured from today's loader (2.5 x the file +
-300 MiB, about 10% above the measured peaks) is what must hold meanwhile.
+What keeps a load within it (lmcli/loading.py, io/gguf.py): tensors are read one at a time from the
+mapped file and placed in the model at once, each tensor's pages are dropped after it is read, packing
+works in slabs, and freed memory goes back to the system before the next tensor. Measured on the
+development machine: 355 MiB for the default model against a 360 MiB bound, 914 MiB for the 1B file
+against 1,056 MiB.
 
 The default model (94 MB Q4_1) runs in `make test`. The synthetic 1.04B-parameter Q4_0 llama (590 MB,
 written once under the lmcli cache, see lmcli/bench_models.py) takes longer and runs in `make test-full`.
@@ -76,40 +77,32 @@ def torch_import_bytes(tmp_path_factory) -> int:
     return int(_run(_IMPORT_TORCH, cache_dir=tmp_path_factory.mktemp("cache")))
 
 
-TARGET = (1.5, 0)  # issue 9: 1.5 x the file, nothing else
-REGRESSION = (2.5, 300 * 2**20)  # today's loader, with a margin
+BOUND_OF_FILE = 1.5  # issue 9: 1.5 x the file, nothing else
 
 
-def _check_bound(gguf_path: Path, torch_import_bytes: int, cache_dir: Path, bound_of_file: tuple[float, int]) -> None:
+def _check_bound(gguf_path: Path, torch_import_bytes: int, cache_dir: Path) -> None:
     run = json.loads(_run(_LOAD_AND_GENERATE, str(gguf_path), str(PROMPT_TOKENS), str(NEW_TOKENS),
                           cache_dir=cache_dir))
     assert run["generated"] == NEW_TOKENS
     kv_cache = 2 * run["layers"] * run["kv_heads"] * run["head_dim"] * (PROMPT_TOKENS + NEW_TOKENS) * 4
     file_size = gguf_path.stat().st_size
-    factor, overhead = bound_of_file
-    bound = torch_import_bytes + factor * file_size + overhead + kv_cache
+    bound = torch_import_bytes + BOUND_OF_FILE * file_size + kv_cache
     mib = 2**20
     assert run["peak"] <= bound, (
         f"{gguf_path.name}: peak RSS {run['peak'] / mib:.0f} MiB > bound {bound / mib:.0f} MiB "
-        f"(import torch {torch_import_bytes / mib:.0f} MiB + {factor} x file {file_size / mib:.0f} MiB "
-        f"+ {overhead / mib:.0f} MiB + KV cache {kv_cache / mib:.1f} MiB)")
+        f"(import torch {torch_import_bytes / mib:.0f} MiB + {BOUND_OF_FILE} x file {file_size / mib:.0f} MiB "
+        f"+ KV cache {kv_cache / mib:.1f} MiB)")
 
 
-BOUNDS = [pytest.param(REGRESSION, id="regression"),
-          pytest.param(TARGET, id="target")]
-
-
-@pytest.mark.parametrize("bound_of_file", BOUNDS)
-def test_default_model_peak_memory_within_bound(smollm2_gguf, torch_import_bytes, tmp_path, bound_of_file):
+def test_default_model_peak_memory_within_bound(smollm2_gguf, torch_import_bytes, tmp_path):
     for _ in range(2):  # a first run (nothing cached) and a second one (whatever the first kept)
-        _check_bound(smollm2_gguf, torch_import_bytes, tmp_path, bound_of_file)
+        _check_bound(smollm2_gguf, torch_import_bytes, tmp_path)
 
 
 @pytest.mark.full  # the 1B model takes a minute or more: make test-full
-@pytest.mark.parametrize("bound_of_file", BOUNDS)
-def test_synthetic_1b_q4_0_peak_memory_within_bound(torch_import_bytes, tmp_path, bound_of_file):
+def test_synthetic_1b_q4_0_peak_memory_within_bound(torch_import_bytes, tmp_path):
     from lmcli.bench_models import SyntheticLlama, synthetic_llama_gguf
 
     path = synthetic_llama_gguf()  # written once under the lmcli cache, reused after
     assert SyntheticLlama().parameter_count() >= 1_000_000_000
-    _check_bound(path, torch_import_bytes, tmp_path, bound_of_file)
+    _check_bound(path, torch_import_bytes, tmp_path)

@@ -7,8 +7,8 @@ once (`kernel_plan`, cached on disk per CPU, torch version and thread count):
 
   int4pack     torch's group-wise int4 kernel (`_weight_int4pack_mm_for_cpu`, tinygemm on CUDA);
                codes 0..15, value = (code - 8) * scale + zero, scales and zeros in the activation dtype
-  int4pair     int8 codes split into a high and a low nibble, both multiplied by the int4 kernel
-               as one matrix of twice the rows: value = 16 s (hi - 8) + s (lo - 8) + (8 s + offset)
+  int4pair     int8 codes split into a high and a low nibble side by side, multiplied by the int4
+               kernel as one matrix of twice the columns (see Int4PackKernel)
   dequantise   the weight is expanded to the activation dtype on every call, then `F.linear`
                (always available; also the path for many rows at once when it measures faster)
 
@@ -198,26 +198,34 @@ class PackLayout:
 
 @functools.cache
 def cpu_pack_layout() -> PackLayout | None:
-    """Find the layout by packing probes, then check it on random codes; None if it is not one of blocks."""
+    """Find the layout by packing probes, then check it on random codes; None if it is not one of blocks.
+
+    Only the packing itself is torch's; the rest is numpy, whose kernels a load runs anyway: each torch
+    kernel first run maps in its share of libtorch's code, which stays resident (this probe written
+    with torch ops cost 9 MB of it)."""
     pack = getattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu", None)
     if pack is None:
         return None
+
+    def packed(codes: np.ndarray) -> np.ndarray:  # (n, k) int32 codes -> torch's (n, k/2) bytes
+        return pack(torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int32)), 1).numpy()
+
     n, k = 128, 32
-    row = torch.arange(n, dtype=torch.int32)[:, None].expand(n, k)
+    row = np.broadcast_to(np.arange(n, dtype=np.int32)[:, None], (n, k))
     try:
-        low, high = (pack(v.contiguous(), 1).flatten() for v in (row % 16, row // 16))
+        low, high = packed(row % 16).reshape(-1), packed(row // 16).reshape(-1)
     except RuntimeError:
         return None
     # The row each nibble holds, in storage order (low nibble first).
-    held = (torch.stack((low & 15, low >> 4), -1) + 16 * torch.stack((high & 15, high >> 4), -1)).flatten()
+    held = (np.stack((low & 15, low >> 4), -1) + 16 * np.stack((high & 15, high >> 4), -1)).reshape(-1)
     for block in (64, 32, 16):
-        per_block = held.view(n // block, k, block)
+        per_block = held.reshape(n // block, k, block)
         first = per_block[0, 0] % block
-        expected = first[None, None] + block * torch.arange(n // block)[:, None, None]
-        if torch.equal(per_block, expected.expand_as(per_block)) and sorted(first.tolist()) == list(range(block)):
+        expected = first[None, None] + block * np.arange(n // block)[:, None, None]
+        if np.array_equal(per_block, np.broadcast_to(expected, per_block.shape)) and sorted(first.tolist()) == list(range(block)):
             layout = PackLayout(block, tuple(first.tolist()))
-            codes = torch.randint(0, 16, (3 * block, 96), dtype=torch.int32)
-            if torch.equal(layout.unpack(pack(codes, 1), *codes.shape), codes.to(torch.uint8)):
+            codes = np.random.default_rng(0).integers(0, 16, (3 * block, 96), dtype=np.int32)
+            if np.array_equal(layout.pack(torch.from_numpy(codes.astype(np.uint8))).numpy(), packed(codes)):
                 return layout
     return None
 
@@ -305,8 +313,12 @@ def _int4_zeros(scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Ten
 class Int4PackKernel(Kernel):
     """torch's group-wise int4 matrix product (CPU: `_weight_int4pack_mm_for_cpu`; CUDA: tinygemm).
 
-    4-bit weights are packed as they are; 8-bit ones as two nibble matrices stacked by rows (`pair`),
-    multiplied together and summed: (M, 2N) -> (M, N).
+    4-bit weights are packed as they are. 8-bit ones (`pair`) are stored as one nibble matrix with twice
+    the columns, each code's high and low nibble side by side, (N, 2K), and multiplied by activations
+    whose columns are doubled the same way, the first of each pair times 16. With u = code + 128 =
+    16 hi + lo, a value s * code + o is then summed as 16 x ((hi - 8) s + z) + x ((lo - 8) s + z) with
+    z = (8 s + o) / 17: both nibbles of a group share one scale and zero, so a group of `group` weights
+    costs one (scale, zero) pair, as in the file, over 2 x group stored columns.
     """
 
     packed: torch.Tensor
@@ -317,29 +329,20 @@ class Int4PackKernel(Kernel):
         super().__init__(n, k, dtype)
         self.pair = q.bits == 8
         self.name = "int4pair" if self.pair else "int4pack"
-        self.group, self.on_cuda = q.group, torch.device(device).type == "cuda"
-        if self.pair:
-            # s (16 hi + lo - 128) + offset = 16 s (hi - 8) + s (lo - 8) + (8 s + offset); torch computes
-            # (code - 8) * scale + zero, so zero is 0 for the high half and 8 s + offset for the low one.
-            sz = _scales_and_zeros([(16 * q.scales, None), (q.scales, _int4_zeros(q.scales, q.offsets))], dtype)
-        else:
-            sz = _scales_and_zeros([(q.scales, _int4_zeros(q.scales, q.offsets))], dtype)
-        self.rows_stored = 2 * n if self.pair else n
+        self.group = 2 * q.group if self.pair else q.group  # over stored columns
+        self.columns = 2 * k if self.pair else k  # stored columns
+        self.on_cuda = torch.device(device).type == "cuda"
+        zeros = _int4_zeros(q.scales, q.offsets)
+        sz = _scales_and_zeros([(q.scales, zeros / 17 if self.pair else zeros)], dtype)
         self.layout = None if self.on_cuda else cpu_pack_layout()
         if self.layout is not None and not self.layout.fits(n):
             self.layout = None
         if self.layout is not None:  # packed a slab of rows at a time: the byte-per-code copy stays small
-            packed = torch.empty(self.rows_stored, k // 2, dtype=torch.uint8)
-            slab = max(1, (1 << 20) // k // self.layout.block) * self.layout.block  # about 1M codes
+            packed = torch.empty(n, self.columns // 2, dtype=torch.uint8)
+            slab = max(1, (1 << 20) // self.columns // self.layout.block) * self.layout.block  # about 1M codes
             for start in range(0, n, slab):
                 rows = slice(start, min(start + slab, n))
-                halves = self._codes(q, rows)
-                if self.pair:
-                    packed[rows] = self.layout.pack(halves[:rows.stop - start])
-                    packed[n + rows.start:n + rows.stop] = self.layout.pack(halves[rows.stop - start:])
-                else:
-                    packed[rows] = self.layout.pack(halves)
-                del halves
+                packed[rows] = self.layout.pack(self._codes(q, rows))
         elif self.on_cuda:  # tinygemm takes two codes per byte, the even one high
             codes = self._codes(q, slice(0, n)).to(device)
             packed = torch.ops.aten._convert_weight_to_int4pack((codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8), 8)
@@ -350,40 +353,44 @@ class Int4PackKernel(Kernel):
         self.register_buffer("scales_and_zeros", sz.to(device), persistent=False)
 
     def _codes(self, q: GroupQuantized, rows: slice) -> torch.Tensor:
-        """Codes 0..15, one a byte, of weight rows `rows`: (R, K); for 8-bit weights (2R, K), the high
-        nibbles of those rows, then the low ones."""
+        """Codes 0..15, one a byte, of weight rows `rows`: (R, stored columns)."""
         if not self.pair:
             return _unpack_nibbles_numpy(q.codes[rows])
         unsigned = q.codes[rows].view(torch.uint8) ^ 0x80  # (R, K) code + 128, 0..255
-        return torch.cat((unsigned >> 4, unsigned & 15))
+        return torch.stack((unsigned >> 4, unsigned & 15), dim=-1).view(unsigned.shape[0], self.columns)
+
+    def _activations(self, x: torch.Tensor) -> torch.Tensor:
+        """(M, K) -> (M, stored columns): for pairs each column twice, the first times 16 (exact)."""
+        return torch.stack((16 * x, x), dim=-1).view(x.shape[0], self.columns) if self.pair else x
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._activations(x)
         if self.on_cuda:
-            y = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)
-        return y[:, :self.n] + y[:, self.n:] if self.pair else y  # (M, N)
+            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)  # (M, N)
 
     def _expand(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Codes (R, K) of stored rows `rows` -> values, (code - 8) * s + z per group."""
+        """Codes (R, stored columns) of rows `rows` -> values (R, K): (code - 8) * s + z per group, and
+        for pairs 16 x high + low."""
         sz = self.scales_and_zeros[:, rows]  # (G, R, 2)
         scales, zeros = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # (R, G, 1)
         grouped = codes.to(self.dtype).view(len(rows), -1, self.group)
-        return ((grouped - 8) * scales + zeros).view(len(rows), self.k)
+        values = ((grouped - 8) * scales + zeros).view(len(rows), self.columns)
+        if self.pair:
+            nibbles = values.view(len(rows), self.k, 2)
+            values = 16 * nibbles[..., 0] + nibbles[..., 1]
+        return values
 
     def rows(self, index: torch.Tensor) -> torch.Tensor | None:
         if self.layout is None:
             return None
-        stored = torch.cat((index, index + self.n)) if self.pair else index
-        values = self._expand(self.layout.unpack_rows(self.packed, self.rows_stored, self.k, stored), stored)
-        return values[:len(index)] + values[len(index):] if self.pair else values
+        return self._expand(self.layout.unpack_rows(self.packed, self.n, self.columns, index), index)
 
     def dequantise(self) -> torch.Tensor | None:
         if self.layout is None:
             return None
-        stored = torch.arange(self.rows_stored, device=self.packed.device)
-        values = self._expand(self.layout.unpack(self.packed, self.rows_stored, self.k), stored)
-        return values[:self.n] + values[self.n:] if self.pair else values
+        stored = torch.arange(self.n, device=self.packed.device)
+        return self._expand(self.layout.unpack(self.packed, self.n, self.columns), stored)
 
 
 KERNELS = {"int4pack": Int4PackKernel, "int4pair": Int4PackKernel, "dequantise": DequantiseKernel}
@@ -710,7 +717,8 @@ class QuantizedInstaller:
         choice = self.choices.get(q.kind) or kernel_plan(q.kind, self.dtype, self.device)
         self.choices[q.kind] = choice
         kernel_name = choice.kernel
-        if q.group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
+        kernel_group = 2 * q.group if q.bits == 8 else q.group  # int4pair doubles the columns
+        if kernel_group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
             kernel_name = "dequantise"
         try:
             kernel = build_kernel(kernel_name, q, self.dtype, self.device)
