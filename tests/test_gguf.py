@@ -639,3 +639,27 @@ def test_convert_gguf_writes_an_hf_directory(tmp_path, good_file, monkeypatch):
     assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json"}
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_key_value_heads == 2
+
+
+def test_block_table_lmcli_reads_without_gguf_agrees_with_gguf():
+    from lmcli.io.gguf_reader import NATIVE_BLOCKS, TensorInfo
+
+    for ggml_type, layout in NATIVE_BLOCKS.items():
+        kind = Q(ggml_type)
+        assert layout == gguf.GGML_QUANT_SIZES[kind], kind.name
+        assert TensorInfo("t", (1,), ggml_type, 0, 0).type_name == kind.name
+
+
+@pytest.mark.parametrize("quantize", [None, "none"], ids=["kept quantized", "dequantised"])
+def test_a_tensor_whose_shape_disagrees_with_the_config_is_a_one_line_error(quantize, tmp_path, monkeypatch):
+    import lmcli
+
+    monkeypatch.setattr("lmcli.io.tokenizer.tokenizer_from_gguf", lambda metadata: None)  # the file has no vocabulary
+    hf, state, _ = hf_checkpoint("llama", tmp_path)
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = torch.cat((state[name], state[name][:32]))  # 32 rows more than intermediate_size
+    path = write_gguf_like_llama_cpp(tmp_path / "wrong.gguf", hf, state, "llama", qtype=lambda n, w: Q.Q8_0)
+    with pytest.raises(CheckpointError) as caught:
+        lmcli.load(path, quantize=quantize)
+    message = str(caught.value)
+    assert "\n" not in message and str(path) in message and f"'{name}'" in message and "shape" in message

@@ -22,16 +22,16 @@ def ids(case):
     return f"int{bits}-{name}-{str(dtype).removeprefix('torch.')}"
 
 
-def random_weight(n: int, k: int, bits: int, seed: int = 0) -> GroupQuantized:
-    """Codes and scales drawn directly (not from a quantizer), offsets far from zero for int4."""
+def random_weight(n: int, k: int, bits: int, seed: int = 0, group: int = 32) -> GroupQuantized:
+    """Codes and scales drawn directly (not from a quantizer), offsets far from zero."""
     gen = torch.Generator().manual_seed(seed)
     if bits == 4:
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     else:
         codes = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
-    scales = torch.rand(n, k // 32, generator=gen) * 0.02 + 1e-3
-    offsets = torch.randn(n, k // 32, generator=gen) * 0.05
-    return GroupQuantized.from_codes(codes, scales, offsets, group=32, bits=bits)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    offsets = torch.randn(n, k // group, generator=gen) * 0.05
+    return GroupQuantized.from_codes(codes, scales, offsets, group=group, bits=bits)
 
 
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
@@ -55,6 +55,15 @@ def test_kernel_matches_f_linear_on_dequantised_weight(case, rows):
     picked = kernel.rows(index)
     assert picked is not None
     close(picked, want_weight[index], dtype)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+def test_int8_pairs_take_groups_of_16_as_q6_k_stores_them(dtype):
+    """int4pair runs torch's kernel over twice the columns, so a group of 16 weights is a kernel group of 32."""
+    q = random_weight(128, 320, 8, group=16)
+    x = torch.randn(3, 320)
+    kernel = build_kernel("int4pair", q, dtype)
+    close(kernel.matmul(x.to(dtype)), F.linear(x, q.dequantise(torch.float32)), dtype)
 
 
 @pytest.mark.parametrize("case", CASES, ids=ids)
