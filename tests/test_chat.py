@@ -407,7 +407,8 @@ def test_real_model_second_turn_processes_only_its_new_tokens(smollm2):
     fresh = model.generate(torch.tensor([ids2]), max_new_tokens=n, do_sample=False,
                            eos_token_id=tokenizer.eos_token_ids)
     assert second.result.tokens == fresh[0, len(ids2):].tolist()
-    assert "Rome" in second.reply
+    # (What the 4-bit 135M model answers is not checked: its first reply token is a near tie, "The"
+    # 0.152 against "L" 0.140 in float32, which any change of rounding in the kernels can flip.)
 
 
 def test_real_model_ctrl_c_stops_the_reply_not_the_session(smollm2_gguf, smollm2, tmp_path):
