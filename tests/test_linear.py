@@ -130,6 +130,30 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     linear._cached_plans.cache_clear()
 
 
+def test_a_plan_measured_on_a_crowded_machine_is_measured_again_when_it_is_quiet(tmp_path, monkeypatch):
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
+    monkeypatch.delenv("LMCLI_REMEASURE", raising=False)
+    measured: list[str] = []
+
+    def stand_in(kind, device, dtypes):  # a plan whose kernel names the measurement it came from
+        measured.append(kind)
+        return {"bfloat16": linear.KernelChoice(kind, "bfloat16", f"measurement {len(measured)}", None, "", {})}
+
+    monkeypatch.setattr(linear, "_measure_apart", lambda kind, dtypes: None)
+    monkeypatch.setattr(linear, "measure", stand_in)
+    for load_then, load_now, measured_again in [(3.0, 0.1, True), (3.0, 0.9, False), (0.4, 0.1, False)]:
+        monkeypatch.setattr(linear, "_load_average", lambda value=load_then: value)
+        linear._cached_plans.cache_clear()
+        (tmp_path / "kernels.json").unlink(missing_ok=True)
+        first = linear.kernel_plan("int4", torch.bfloat16)
+        monkeypatch.setattr(linear, "_load_average", lambda value=load_now: value)
+        linear._cached_plans.cache_clear()
+        second = linear.kernel_plan("int4", torch.bfloat16)
+        assert (second.kernel != first.kernel) == measured_again, (load_then, load_now)
+    linear._cached_plans.cache_clear()
+
+
 # --- --quantize on a float checkpoint, end to end ---------------------------------------------------
 
 

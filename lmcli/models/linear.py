@@ -615,13 +615,14 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
     if not isinstance(stored, dict):
         stored = {}
     known = stored.get(machine, {}).get(entry)
-    if isinstance(known, dict) and not os.environ.get("LMCLI_REMEASURE"):
+    if isinstance(known, dict) and not os.environ.get("LMCLI_REMEASURE") and not _worth_measuring_again(known):
         try:
-            return {label: KernelChoice(**fields) for label, fields in known.items()}
+            return {label: KernelChoice(**fields) for label, fields in known.items() if label != _LOAD_KEY}
         except TypeError:
             pass
     choices = (_measure_apart(kind, dtypes) if device.type == "cpu" else None) or measure(kind, device, dtypes)
-    stored.setdefault(machine, {})[entry] = {label: asdict(choice) for label, choice in choices.items()}
+    stored.setdefault(machine, {})[entry] = {**{label: asdict(choice) for label, choice in choices.items()},
+                                             _LOAD_KEY: _load_average()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}")
@@ -630,6 +631,26 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
     except OSError:
         pass  # a read-only cache only means measuring again next time
     return choices
+
+
+_LOAD_KEY = "load_average"  # of the machine when a plan was measured
+
+
+def _load_average() -> float:
+    """Runnable processes per CPU over the last minute (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def _worth_measuring_again(known: dict[str, Any]) -> bool:
+    """A plan measured while other work crowded the CPUs (more runnable processes than CPUs) is
+    measured again once the machine is quiet: timings under contention can rank kernels wrongly, as a
+    plan measured at a load of about 5 per CPU here once picked float32 activations for int8 weights,
+    25x slower than bfloat16."""
+    then = known.get(_LOAD_KEY, 0.0)
+    return isinstance(then, (int, float)) and then > 1.0 and _load_average() < 0.5
 
 
 def _measure_apart(kind: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, KernelChoice] | None:
