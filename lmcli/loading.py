@@ -279,7 +279,8 @@ def _malloc_trim() -> Any:
 def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """The dict's items, each removed as it is taken (so a placed tensor is not kept alive here)."""
     while tensors:
-        yield tensors.popitem()
+        name = next(iter(tensors))  # in the checkpoint's order, so errors name what they always named
+        yield name, tensors.pop(name)
 
 
 def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) -> Iterator[tuple[str, Any]]:
