@@ -135,20 +135,35 @@ def quantized_kind(ggml_type: int) -> str | None:
 def decode_blocks(raw: np.ndarray, ggml_type: int, shape: tuple[int, ...]) -> GroupQuantized:
     """Raw block bytes of a tensor (any leading shape, row length last) -> GroupQuantized of `shape`.
 
-    `raw` may be a read-only view of the mapped file; nothing it returns refers to it.
+    `raw` may be a read-only view of the mapped file; nothing it returns refers to it. Rows are decoded
+    a slab at a time into the result, so the decoders' temporaries (several bytes a weight) stay small
+    even for a 168M-weight embedding.
     """
     bits, group, decode = DECODERS[ggml_type]
     block_values, block_bytes = NATIVE_BLOCKS[ggml_type]
     rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, shape[-1] // block_values, block_bytes)
-    codes, scales, offsets = decode(blocks)
-    groups = shape[-1] // group
-    codes = np.ascontiguousarray(codes).reshape(*shape)
-    if bits == 4:  # two codes a byte, as GroupQuantized keeps them
-        codes = codes[..., 0::2].astype(np.uint8) | (codes[..., 1::2].astype(np.uint8) << 4)
-    codes_t = torch.from_numpy(np.ascontiguousarray(codes).astype(np.uint8 if bits == 4 else np.int8, copy=False))
-    scales_t = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32).reshape(*shape[:-1], groups))
-    offsets_t = None
-    if offsets is not None:
-        offsets_t = torch.from_numpy(np.ascontiguousarray(offsets, dtype=np.float32).reshape(*shape[:-1], groups))
-    return GroupQuantized(codes_t, scales_t, offsets_t, group=group, bits=bits)
+    row_length = shape[-1]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, row_length // block_values, block_bytes)
+    groups = row_length // group
+    codes = np.empty((rows, row_length // 2 if bits == 4 else row_length), dtype=np.uint8 if bits == 4 else np.int8)
+    scales = np.empty((rows, groups), dtype=np.float32)
+    offsets: np.ndarray | None = None
+    slab = max(1, (1 << 20) // row_length)  # about 1M weights
+    for start in range(0, rows, slab):
+        part = slice(start, min(start + slab, rows))
+        slab_codes, slab_scales, slab_offsets = decode(blocks[part])
+        slab_codes = slab_codes.reshape(-1, row_length)
+        if bits == 4:  # two codes a byte, as GroupQuantized keeps them
+            codes[part] = slab_codes[:, 0::2].astype(np.uint8) | (slab_codes[:, 1::2].astype(np.uint8) << 4)
+        else:
+            codes[part] = slab_codes
+        scales[part] = np.reshape(slab_scales, (-1, groups))
+        if slab_offsets is not None:
+            if offsets is None:
+                offsets = np.empty((rows, groups), dtype=np.float32)
+            offsets[part] = np.reshape(slab_offsets, (-1, groups))
+    lead = shape[:-1]
+    return GroupQuantized(torch.from_numpy(codes).reshape(*lead, codes.shape[-1]),
+                          torch.from_numpy(scales).reshape(*lead, groups),
+                          None if offsets is None else torch.from_numpy(offsets).reshape(*lead, groups),
+                          group=group, bits=bits)
