@@ -146,7 +146,7 @@ def write_synthetic_llama(path: str | Path, sizes: SyntheticLlama = SyntheticLla
 
 def synthetic_llama_gguf(directory: str | Path | None = None) -> Path:
     """The synthetic 1B Q4_0 llama, written on first use under `directory` (default: the lmcli cache)."""
-    from lmcli.default_model import cache_dir
+    from lmcli.paths import cache_dir
 
     folder = Path(directory) if directory is not None else cache_dir() / "synthetic"
     path = folder / f"synthetic-llama-1b-q4_0-v{SYNTHETIC_FORMAT}.gguf"

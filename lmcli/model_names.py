@@ -58,7 +58,7 @@ def models_dir() -> Path:
     explicit = os.environ.get("LMCLI_MODELS_DIR")
     if explicit:
         return Path(explicit).expanduser()
-    from lmcli.default_model import cache_dir
+    from lmcli.paths import cache_dir
 
     return cache_dir() / "models"
 

@@ -40,3 +40,39 @@ def test_the_suite_has_its_own_cache_dir():
     from lmcli import default_model
 
     assert default_model.cache_dir() == cache
+
+
+def test_the_package_has_no_import_circle_at_module_level():
+    """Modules import each other at load time without a circle (issue 8). Imports inside functions are
+    left out: they are deliberate, lazy, and run only once their module is complete."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "lmcli"
+    modules = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.parse(path.read_text()).body:  # module level only; `if TYPE_CHECKING:` is not a statement of this list
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+        graph[name] = {m for m in imported if m in modules and m != name}
+
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for imported in sorted(graph[name]):
+            assert state.get(imported) != "open", "import circle: " + " -> ".join([*path, name, imported])
+            if imported not in state:
+                visit(imported, [*path, name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    assert "lmcli.models.base" in graph and "lmcli.generation.loop" in graph  # the walk saw the package

@@ -478,7 +478,7 @@ def _machine_key(device: torch.device) -> str:
 
 
 def _plan_file() -> Path:
-    from lmcli.default_model import cache_dir
+    from lmcli.paths import cache_dir
 
     return cache_dir() / "kernels.json"
 
