@@ -90,6 +90,22 @@ class BaseModel(nn.Module):
         if self.device.type == "cpu" and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
+    def fuse_projections(self, after_each_layer: Callable[[], None] | None = None) -> None:
+        """Join each layer's q/k/v into one projection and a gated MLP's gate/up into another, so a
+        token takes 4 matrix calls per layer instead of 7. Called once the weights are in: checkpoints
+        load by their own names. Layer by layer, so only one layer's parts are ever held twice;
+        `after_each_layer` can hand the freed parts back to the system (the loader's malloc_trim:
+        without it glibc kept them, and the default model's peak grew by 23 MiB).
+        Projections that cannot be joined (see `linear.fuse_linears`) stay as they are; mixture-of-
+        experts blocks are left alone."""
+        layer: Any
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            if isinstance(layer.feed_forward, MLP):
+                layer.feed_forward.fuse_projections()
+            if after_each_layer is not None:
+                after_each_layer()
+
     def tie_weights(self) -> None:
         from lmcli.models.linear import tie_quantized_head
 

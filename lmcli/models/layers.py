@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig, RopeConfig
+from lmcli.models.linear import fuse_linears
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +120,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        # After loading, q/k/v become one projection (`fuse_projections`): one matrix call, not three.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
         if config.qk_norm:
@@ -127,11 +131,23 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one `qkv_proj` (their weights joined by rows), if they join."""
+        if self.qkv_proj is None:
+            fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            if fused is not None:
+                self.qkv_proj = fused
+                del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # (B, T, nh*hd), (B, T, nkv*hd) x 2
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
@@ -192,8 +208,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias) if config.gated_mlp else None
         self.up_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=config.mlp_bias)
+        # After loading, a gated MLP's gate and up become one projection (`fuse_projections`).
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one `gate_up_proj` (gate rows, then up rows), if they join."""
+        if self.gate_proj is not None and self.gate_up_proj is None:
+            fused = fuse_linears([self.gate_proj, self.up_proj])
+            if fused is not None:
+                self.gate_up_proj = fused
+                self.gate_proj = None
+                del self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, intermediate) each
+            return self.down_proj(self.act(gate) * up)
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
