@@ -39,7 +39,7 @@ def test_fused_logits_equal_unfused_and_transformers(case, tmp_path, monkeypatch
     reference = save_reference(case, tmp_path)
     fused, _ = lmcli.load(tmp_path)
     _assert_fused(fused)
-    monkeypatch.setattr(BaseModel, "fuse_projections", lambda self: None)
+    monkeypatch.setattr(BaseModel, "fuse_projections", lambda self, after_each_layer=None: None)
     unfused, _ = lmcli.load(tmp_path)
     assert unfused.model.layers[0].self_attn.qkv_proj is None
     (ids,) = prompts([12])
