@@ -248,6 +248,7 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
     else:
         tensors = {name: t.to(device=device) for name, t in weights}
     fill_model(built, tensors, source, origin)
+    tensors.clear()  # the model holds the weights now; fusing frees each replaced part only if nothing else does
     built.fuse_projections(after_each_layer=release_freed_memory)
     built.use_fast_layout()
     built.eval()
