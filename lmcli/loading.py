@@ -249,6 +249,8 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
     else:
         floats = {name: t.to(device=device) for name, t in weights}
     fill_model(built, floats, source, origin)
+    floats.clear()  # the model holds the weights now; fusing frees each replaced part only if nothing else does
+    built.fuse_projections(after_each_layer=release_freed_memory)
     built.use_fast_layout()
     built.eval()
     release_freed_memory()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig, RopeConfig
+from lmcli.models.linear import fuse_linears
 
 
 class RMSNorm(nn.Module):
@@ -25,9 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32: half precision loses too much in mean(x^2).
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Statistics in float32: half precision loses too much in mean(x^2). F.rms_norm computes
+        # x * rsqrt(mean(x^2) + eps) as the formula does, in fewer calls.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.unit_offset:  # gemma applies (1 + w) in float32, then casts
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
@@ -74,16 +75,19 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int, max_position_embed
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
+    """cos and signed sin, each [B, 1, T, head_dim], for integer positions [B, T] (see `apply_rope`)."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)  # (B, T, hd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    sin = freqs.sin()
+    signed_sin = torch.cat((-sin, sin), dim=-1)  # (B, T, hd)
+    return freqs.cos().repeat(1, 1, 2).to(dtype)[:, None], signed_sin.to(dtype)[:, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) = (-x2, x1): the sign is folded into
+    `signed_sin` once per forward, so a layer only swaps the halves. Exact: negation rounds nothing."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * signed_sin
 
 
 # --- attention ------------------------------------------------------------------------------------
@@ -98,9 +102,11 @@ class AttentionInputs:
 
     query_slots: torch.Tensor  # [T] long: slot of each query
     slot_is_token: torch.Tensor  # [B, S_total] bool: False where the slot holds a pad
-    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, sin) [B, 1, T, hd]
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> (cos, signed sin) [B, 1, T, hd]
     slot_end: int | None = None  # last query slot + 1, known on the host (no device sync per layer)
-    masks: dict[str, torch.Tensor] = field(default_factory=dict)  # layer type -> [B, 1, T, S], filled lazily
+    # layer type -> additive mask [B, 1, rep * T, S] (0 or -inf, in the activation dtype), built by the
+    # first layer of each type: layers of one type share their key slots.
+    masks: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -119,6 +125,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=config.attention_out_bias)
+        # After loading, q/k/v become one projection (`fuse_projections`): one matrix call, not three.
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = [q_dim, kv_dim, kv_dim]
         self.q_norm: RMSNorm | None
         self.k_norm: RMSNorm | None
         if config.qk_norm:
@@ -127,45 +136,56 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    def fuse_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one `qkv_proj` (their weights joined by rows), if they join."""
+        if self.qkv_proj is None:
+            fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            if fused is not None:
+                self.qkv_proj = fused
+                del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache=None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        nh, nkv = self.num_heads, self.num_kv_heads
+        if self.qkv_proj is not None:
+            heads = self.qkv_proj(x).view(B, T, nh + 2 * nkv, self.head_dim).transpose(1, 2)  # (B, nh+2nkv, T, hd)
+            qk, v = heads[:, :nh + nkv], heads[:, nh + nkv:]  # (B, nh+nkv, T, hd), (B, nkv, T, hd)
+        else:
+            q = self.q_proj(x).view(B, T, nh, self.head_dim)  # (B, T, nh, hd)
+            k = self.k_proj(x).view(B, T, nkv, self.head_dim)  # (B, T, nkv, hd)
+            qk = torch.cat((q, k), dim=2).transpose(1, 2)  # (B, nh+nkv, T, hd)
+            v = self.v_proj(x).view(B, T, nkv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.use_rope:
-            cos, sin = inputs.rope[self.layer_type]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
+        if self.use_rope:  # one rotation for the query and key heads together
+            qk = apply_rope(qk, *inputs.rope[self.layer_type])
+        q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hd), (B, nkv, T, hd)
 
         if cache is None:
             key_slots = inputs.query_slots
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
-        # Layers of one type share their key slots, so their mask is built once per forward.
         mask = inputs.masks.get(self.layer_type)
         if mask is None:
-            mask = inputs.masks[self.layer_type] = self._mask(inputs, key_slots)  # (B, 1, T, S)
+            mask = inputs.masks[self.layer_type] = self._mask(inputs, key_slots, q.dtype)  # (B, 1, rep * T, S)
 
         # Grouped-query attention without copying the cache: the query heads that share a kv head
         # become extra query rows of that head. (B, nh, T, hd) -> (B, nkv, rep * T, hd)
-        repeats = self.num_heads // self.num_kv_heads
-        q = q.reshape(B, self.num_kv_heads, repeats * T, self.head_dim)
-        if repeats > 1:
-            mask = mask.repeat(1, 1, repeats, 1)  # (B, 1, rep * T, S)
+        q = q.reshape(B, nkv, (nh // nkv) * T, self.head_dim)
         if self.softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
         else:
             scores = (q @ k.transpose(-2, -1)) * self.scale  # (B, nkv, rep * T, S)
-            scores = torch.tanh(scores / self.softcap) * self.softcap
-            scores = scores.masked_fill(~mask, float("-inf"))
+            scores = torch.tanh(scores / self.softcap) * self.softcap + mask
             out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
         out = out.reshape(B, self.num_heads, T, self.head_dim)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
         return self.o_proj(out)
 
-    def _mask(self, inputs: AttentionInputs, key_slots: torch.Tensor) -> torch.Tensor:
-        """Boolean [B, 1, T, S]: True where a query may attend to a key."""
+    def _mask(self, inputs: AttentionInputs, key_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Additive [B, 1, rep * T, S] in `dtype`: 0 where a query may attend to a key, -inf elsewhere;
+        repeated for the query heads sharing a kv head (see `forward`). What SDPA would make of a
+        boolean mask in every layer, made once."""
         q = inputs.query_slots[:, None]  # (T, 1)
         k = key_slots[None, :]  # (1, S)
         allowed = (k <= q) & (k >= 0)  # causal; slot -1 marks an empty cache entry
@@ -175,7 +195,8 @@ class Attention(nn.Module):
         mask = allowed[None] & is_token[:, None, :]  # (B, T, S)
         # A pad query would attend to nothing (NaN); let it see itself. Its output is never used.
         mask |= (k == q)[None]
-        return mask[:, None]
+        additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        return additive[:, None].repeat(1, 1, self.num_heads // self.num_kv_heads, 1)  # (B, 1, rep * T, S)
 
 
 # --- feed-forward ---------------------------------------------------------------------------------
@@ -192,8 +213,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias) if config.gated_mlp else None
         self.up_proj = nn.Linear(hidden, intermediate, bias=config.mlp_bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=config.mlp_bias)
+        # After loading, a gated MLP's gate and up become one projection (`fuse_projections`).
+        self.gate_up_proj: nn.Module | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace gate_proj and up_proj by one `gate_up_proj` (gate rows, then up rows), if they join."""
+        if self.gate_proj is not None and self.gate_up_proj is None:
+            fused = fuse_linears([self.gate_proj, self.up_proj])
+            if fused is not None:
+                self.gate_up_proj = fused
+                self.gate_proj = None
+                del self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (B, T, intermediate) each
+            return self.down_proj(self.act(gate) * up)
         if self.gate_proj is None:
             return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

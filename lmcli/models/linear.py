@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -778,3 +779,85 @@ def weight_formats(model: nn.Module) -> dict[str, int]:
         key = str(parameter.dtype).removeprefix("torch.")
         counts[key] = counts.get(key, 0) + parameter.numel()
     return counts
+
+
+# --- fused projections: one matrix call where a layer had several -----------------------------------
+
+
+def _with_rows(template: Kernel, n: int, **buffers: torch.Tensor | None) -> Kernel:
+    """A kernel of `template`'s kind, dtype and layout holding `n` rows in `buffers`."""
+    import copy
+
+    joined = copy.copy(template)  # the stored form's settings (group, layout, pair, ...), as they are
+    joined._buffers = dict(template._buffers)  # its own buffers, not the template's
+    joined._parameters, joined._modules = dict(template._parameters), dict(template._modules)
+    joined.n = n
+    for name, tensor in buffers.items():
+        setattr(joined, name, tensor)
+    return joined
+
+
+def concat_kernels(kernels: Sequence[Kernel]) -> Kernel | None:
+    """One kernel whose rows are those of `kernels`, one after another: (N1 + N2 + ..., K). None where
+    they cannot be joined: different stored forms, dtypes, groups or K; torch's packing done by torch
+    itself (CUDA's tinygemm layout, or a CPU layout lmcli could not read), whose rows are not known
+    to be block-local."""
+    parts: list[Any] = list(kernels)  # one kind, checked first
+    first = parts[0]
+    if any(type(k) is not type(first) or k.name != first.name or k.k != first.k or k.dtype != first.dtype
+           for k in parts):
+        return None
+    n = sum(k.n for k in parts)
+    if type(first) is Int4PackKernel:
+        if any(k.on_cuda or k.layout is None or k.layout != first.layout or k.group != first.group for k in parts):
+            return None
+        # The CPU layout keeps each block of `layout.block` rows to itself, and a kernel with a layout
+        # holds whole blocks, so row blocks concatenate (int4pair's two nibbles of a weight share a row).
+        packed = torch.cat([k.packed for k in parts])  # (N, stored columns / 2)
+        scales_and_zeros = torch.cat([k.scales_and_zeros for k in parts], dim=1)  # (G, N, 2)
+        return _with_rows(first, n, packed=packed, scales_and_zeros=scales_and_zeros)
+    if type(first) is DequantiseKernel:
+        if any(k.bits != first.bits or k.group != first.group for k in parts):
+            return None
+        offsets = None
+        if any(k.offsets is not None for k in parts):  # a missing offset is 0
+            offsets = torch.cat([torch.zeros_like(k.scales) if k.offsets is None else k.offsets for k in parts])
+        return _with_rows(first, n, codes=torch.cat([k.codes for k in parts]),
+                          scales=torch.cat([k.scales for k in parts]), offsets=offsets)
+    return None
+
+
+def _joined_bias(parts: list[Any]) -> torch.Tensor | None:
+    """The parts' biases side by side (a missing one is 0), or None if none has one."""
+    present = next((p.bias for p in parts if p.bias is not None), None)
+    if present is None:
+        return None
+    return torch.cat([torch.zeros(p.out_features, dtype=present.dtype, device=present.device) if p.bias is None
+                      else p.bias.detach() for p in parts])
+
+
+def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
+    """One linear layer computing what `parts` (same input size) compute, their outputs side by side:
+    the weights (and biases) joined by rows. nn.Linear parts give an nn.Linear, QuantLinear parts a
+    QuantLinear over `concat_kernels`. None where they cannot be joined (mixed forms, dtypes, devices;
+    quantized kernels that do not concatenate); the caller then keeps the parts."""
+    modules: list[Any] = list(parts)
+    if len({m.in_features for m in modules}) != 1:
+        return None
+    bias = _joined_bias(modules)
+    if all(type(m) is nn.Linear for m in modules):
+        weights = [m.weight for m in modules]
+        if len({(w.dtype, w.device) for w in weights}) != 1:
+            return None
+        # nn.Linear's own __init__ would allocate and initialise a weight only to drop it.
+        fused = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = modules[0].in_features, sum(m.out_features for m in modules)
+        requires_grad = weights[0].requires_grad
+        fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=requires_grad)  # (N, K)
+        fused.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=requires_grad))
+        return fused
+    if all(type(m) is QuantLinear for m in modules) and len({m.large_rows for m in modules}) == 1:
+        kernel = concat_kernels([m.kernel for m in modules])
+        return None if kernel is None else QuantLinear(kernel, bias, modules[0].large_rows)
+    return None
