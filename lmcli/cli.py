@@ -220,6 +220,10 @@ QuantizeOption = Annotated[Quantize | None, _option(
     _one_of(Quantize), "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
                        "Default: a GGUF file's own quantization, other checkpoints as stored.",
     "--quantize", "-q", panel=MODEL_PANEL)]
+CompileOption = Annotated[bool, _switch(
+    "--compile", "Compile the decode step with torch.compile (CUDA: with CUDA graphs). Compiling takes a minute "
+                 "or more; it pays off over long generations. Falls back to eager, with a warning, if it fails.",
+    MODEL_PANEL)]
 
 
 # The decoding flags `generate` and `chat` share (a test checks that chat has every one of generate's),
@@ -304,7 +308,8 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
 
 
 def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
-          tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None):
+          tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None,
+          compile_decode: bool = False):
     """Load the model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
@@ -322,6 +327,8 @@ def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DTy
             tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
+    if compile_decode:
+        loaded.compile_decode()
     if text_tokenizer is None and need_tokenizer:
         raise TokenizerError(
             f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be"
@@ -349,6 +356,7 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
+    compile_decode: CompileOption = False,
     *,
     decoding: DecodingFlags,
     chat: Annotated[bool, _switch(
@@ -401,7 +409,8 @@ def generate(
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
 
     def load():
-        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp, quantize=quantize)
+        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp, quantize=quantize,
+                                         compile_decode=compile_decode)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
         return loaded, loaded_tokenizer
@@ -595,6 +604,8 @@ def chat(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
+    compile_decode: CompileOption = False,
     *,
     decoding: DecodingFlags,
     system: Annotated[str | None, _option("TEXT", "The system message.", panel=PROMPT_PANEL)] = None,
@@ -628,7 +639,8 @@ def chat(
         explicit=frozenset(_explicit_settings(ctx)),
     )
     try:
-        run_chat(lambda: _load(checkpoint, model, device, dtype), settings, options, checkpoint)
+        run_chat(lambda: _load(checkpoint, model, device, dtype, quantize=quantize, compile_decode=compile_decode),
+                 settings, options, checkpoint)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
         sys.stderr.write("\ninterrupted\n")
         raise typer.Exit(130) from None

@@ -170,3 +170,18 @@ def test_logprobs_of_the_tokens_written(tiny_checkpoint, loaded, flags):
     for step, values, top_ids in zip(row["logprobs"], top.values, top.indices):
         assert [alt["id"] for alt in step["top"]] == top_ids.tolist()
         torch.testing.assert_close(torch.tensor([alt["logprob"] for alt in step["top"]]), values, atol=2e-4, rtol=0)
+
+
+def test_compile_flag_compiles_the_decode_step_and_keeps_the_tokens(tiny_checkpoint, loaded, monkeypatch):
+    """--compile reaches BaseModel.compile_decode (here a stand-in that records the call: real compiling
+    takes a minute and is checked against transformers in tests/test_compile.py), and the tokens are
+    model.generate's own."""
+    from lmcli.models.base import BaseModel
+
+    compiled: list[BaseModel] = []
+    monkeypatch.setattr(BaseModel, "compile_decode", lambda self: compiled.append(self) or True)
+    row = cli_row(tiny_checkpoint, "--compile", "--greedy", "-n", N)
+    assert len(compiled) == 1
+    prompt_ids = loaded[1](PROMPT)["input_ids"]
+    assert cli_ids(row) == direct(loaded, prompt_ids, do_sample=False)
+    assert not compiled[1:] and cli_row(tiny_checkpoint, "--greedy", "-n", N) and len(compiled) == 1
