@@ -7,8 +7,11 @@ a .gguf file, or None for the embedded default model.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import json
+import mmap
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -250,7 +253,7 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
         floats = {name: t.to(device=device) for name, t in weights}
     fill_model(built, floats, source, origin)
     floats.clear()  # the model holds the weights now; fusing frees each replaced part only if nothing else does
-    built.fuse_projections(after_each_layer=release_freed_memory)
+    built.fuse_projections(after_each_layer=_release_replaced)
     built.use_fast_layout()
     built.eval()
     release_freed_memory()
@@ -267,15 +270,64 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-@functools.cache
-def _malloc_trim() -> Any:
-    import ctypes
-    import ctypes.util
+def _release_replaced(weights: list[torch.Tensor]) -> None:
+    """After a layer's projections are fused: the parts' pages, where they map the checkpoint file
+    (safetensors tensors do), and whatever the allocator kept of the rest. Measured on SmolLM2 float32
+    (`lmcli bench`): peak 1,195 MiB with the parts' file pages left resident, against 954 for
+    transformers."""
+    release_file_pages(weights)
+    release_freed_memory()
 
+
+def release_file_pages(tensors: list[torch.Tensor]) -> None:
+    """Drop from resident memory the pages that `tensors` (still alive, about to be let go) read from a
+    mapped file. Only whole pages inside a tensor and inside one file-backed mapping of
+    /proc/self/maps are dropped: such a page comes back from the file unchanged if anything reads
+    it again, whereas dropping anonymous memory would zero it. Elsewhere (no /proc, no madvise)
+    nothing is done."""
+    madvise = _libc_function("madvise")
+    mappings = _file_mappings()
+    if madvise is None or not mappings:
+        return
+    page = mmap.PAGESIZE
+    for tensor in tensors:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        first, last = -(-start // page) * page, end // page * page
+        if last > first and any(low <= first and last <= high for low, high in mappings):
+            madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of each memory mapping of a regular file, from /proc/self/maps; [] where unreadable."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    mappings = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            mappings.append((low, high))
+    return mappings
+
+
+@functools.cache
+def _libc_function(name: str) -> Any:
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):  # not glibc
         return None
+
+
+def _malloc_trim() -> Any:
+    return _libc_function("malloc_trim")
 
 
 def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:

@@ -179,7 +179,12 @@ def test_compile_flag_compiles_the_decode_step_and_keeps_the_tokens(tiny_checkpo
     from lmcli.models.base import BaseModel
 
     compiled: list[BaseModel] = []
-    monkeypatch.setattr(BaseModel, "compile_decode", lambda self: compiled.append(self) or True)
+
+    def record(self: BaseModel) -> bool:
+        compiled.append(self)
+        return True
+
+    monkeypatch.setattr(BaseModel, "compile_decode", record)
     row = cli_row(tiny_checkpoint, "--compile", "--greedy", "-n", N)
     assert len(compiled) == 1
     prompt_ids = loaded[1](PROMPT)["input_ids"]

@@ -106,3 +106,32 @@ def test_synthetic_1b_q4_0_peak_memory_within_bound(torch_import_bytes, tmp_path
     path = synthetic_llama_gguf()  # written once under the lmcli cache, reused after
     assert SyntheticLlama().parameter_count() >= 1_000_000_000
     _check_bound(path, torch_import_bytes, tmp_path)
+
+
+def _rss_file_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssFile:"))
+
+
+def test_release_file_pages_drops_a_mapped_tensor_and_never_an_anonymous_one(tmp_path):
+    """What the loader does after fusing projections read from a mapped safetensors file: the pages
+    leave resident memory, the values stay readable from the file, and memory that is not a file
+    mapping is left alone (dropping it would zero it)."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("resident memory is read from /proc/self/status (Linux)")
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from lmcli.loading import release_file_pages
+
+    values = torch.arange(8 * 2**20, dtype=torch.float32)  # 32 MiB
+    save_file({"w": values}, str(tmp_path / "w.safetensors"))
+    with safe_open(str(tmp_path / "w.safetensors"), framework="pt") as handle:
+        mapped = handle.get_tensor("w")
+    anonymous = values.clone()
+    assert torch.equal(mapped, values)  # every page read: resident
+    before = _rss_file_bytes()
+    release_file_pages([mapped, anonymous])
+    assert before - _rss_file_bytes() >= 30 * 2**20
+    assert torch.equal(mapped, values) and torch.equal(anonymous, values)

@@ -92,21 +92,28 @@ class BaseModel(nn.Module):
         if self.device.type == "cpu" and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
-    def fuse_projections(self, after_each_layer: Callable[[], None] | None = None) -> None:
+    def fuse_projections(self, after_each_layer: Callable[[list[torch.Tensor]], None] | None = None) -> None:
         """Join each layer's q/k/v into one projection and a gated MLP's gate/up into another, so a
         token takes 4 matrix calls per layer instead of 7. Called once the weights are in: checkpoints
         load by their own names. Layer by layer, so only one layer's parts are ever held twice;
-        `after_each_layer` can hand the freed parts back to the system (the loader's malloc_trim:
-        without it glibc kept them, and the default model's peak grew by 23 MiB).
+        `after_each_layer` is given the float weights just replaced (still alive while it runs), so
+        the loader can hand their memory back: file pages of a mapped checkpoint, and what glibc
+        keeps of freed memory (without that the default model's peak grew by 23 MiB).
         Projections that cannot be joined (see `linear.fuse_linears`) stay as they are; mixture-of-
         experts blocks are left alone."""
         layer: Any
         for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            if isinstance(layer.feed_forward, MLP):
-                layer.feed_forward.fuse_projections()
+            attention, feed_forward = layer.self_attn, layer.feed_forward
+            parts = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+            if isinstance(feed_forward, MLP):
+                parts += [feed_forward.gate_proj, getattr(feed_forward, "up_proj", None)]
+            weights = [part.weight for part in parts if isinstance(part, nn.Linear)]
+            attention.fuse_projections()
+            if isinstance(feed_forward, MLP):
+                feed_forward.fuse_projections()
             if after_each_layer is not None:
-                after_each_layer()
+                after_each_layer(weights)
+            del weights, parts
 
     def tie_weights(self) -> None:
         from lmcli.models.linear import tie_quantized_head
