@@ -74,11 +74,12 @@ def _dequantise(buf: mmap.mmap, info: TensorInfo) -> torch.Tensor:
         return torch.from_numpy(values.reshape(info.shape))
     from gguf import GGMLQuantizationType, quants
 
-    rows = info.shape[:-1]
-    raw = raw.reshape(*rows, info.nbytes // max(1, math.prod(rows)))  # (*rows, bytes per row)
-    values = quants.dequantize(raw, GGMLQuantizationType(info.ggml_type))  # (*rows, row length) float32
-    if not values.flags.writeable:  # F32 comes back as a view of the file itself
-        values = values.copy()
+    rows = math.prod(info.shape[:-1])
+    raw = raw.reshape(rows, info.nbytes // max(1, rows))  # (rows, bytes per row)
+    values = np.empty((rows, info.shape[-1]), dtype=np.float32)
+    slab = max(1, (1 << 20) // info.shape[-1])  # rows at a time: gguf's temporaries are several copies
+    for start in range(0, rows, slab):
+        values[start:start + slab] = quants.dequantize(raw[start:start + slab], GGMLQuantizationType(info.ggml_type))
     return torch.from_numpy(values.reshape(info.shape))
 
 
