@@ -254,9 +254,10 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
     fill_model(built, floats, source, origin)
     floats.clear()  # the model holds the weights now; fusing frees each replaced part only if nothing else does
     built.fuse_projections(after_each_layer=_release_replaced)
-    head = built.lm_head.weight if isinstance(built.lm_head, nn.Linear) else None
+    # The head is copied column-major; its old storage (kept here: detach() shares it) may be file pages.
+    head = built.lm_head.weight.detach() if isinstance(built.lm_head, nn.Linear) else None
     built.use_fast_layout()
-    if head is not None:  # the head was copied column-major: the copy's source may be file pages
+    if head is not None:
         release_file_pages([head])
     del head
     built.eval()
