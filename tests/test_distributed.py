@@ -109,14 +109,18 @@ def test_tensor_parallel_tokens_equal_single_process(tensor_parallel_runs, case)
 
 
 def test_tensor_parallel_rank_memory_is_about_half(tensor_parallel_runs):
+    """Against the checkpoint's own size: a rank holds about half the weights. (One process maps the
+    file and pages in only the embedding rows it looks up, so its figure is smaller than the file;
+    each rank reads its shard, embedding half included, into memory of its own.)"""
     alone, parallel = tensor_parallel_runs
     [single] = alone["runs"][0]["peak_mib"]
     per_rank = parallel["runs"][0]["peak_mib"]
-    print(f"\npeak memory rise loading + generating the 250 MB model: one process {single:.0f} MiB, "
+    weights = Path(alone["runs"][0]["checkpoint"], "model.safetensors").stat().st_size / 2**20
+    print(f"\npeak memory rise loading + generating the {weights:.0f} MiB model: one process {single:.0f} MiB, "
           f"--tp 2 ranks {', '.join(f'{m:.0f}' for m in per_rank)} MiB")
     assert len(per_rank) == 2
-    assert single > 240  # the weights are there at least once
-    assert all(m < 0.6 * single for m in per_rank)
+    assert single > 0.6 * weights  # every layer is there at least once (the embedding is 30% of the file)
+    assert all(m < 0.6 * weights and m < single for m in per_rank)
 
 
 def test_split_is_checked_before_any_weight_is_read(tmp_path):
