@@ -304,12 +304,20 @@ def _architecture_module(header: GGUFHeader) -> tuple[str, ModuleType]:
 # --- public -----------------------------------------------------------------------------------------
 
 
-def _read_tensor(buf: mmap.mmap, info: TensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
-    """A quantized weight as its codes and scales (see io/gguf_quant.py) if asked and its block type
-    maps onto them without loss; otherwise dequantised to float32."""
-    from lmcli.io.gguf_quant import decode_blocks, keeps_quantized
+def _kept_as(info: TensorInfo) -> str | None:
+    """"int4" / "int8" for a weight matrix whose block type maps onto codes and scales without loss
+    (io/gguf_quant.py); None for a tensor that is dequantised."""
+    from lmcli.io.gguf_quant import quantized_kind
 
-    if keep_quantized and len(info.shape) >= 2 and keeps_quantized(info.ggml_type):
+    return quantized_kind(info.ggml_type) if len(info.shape) >= 2 else None
+
+
+def _read_tensor(buf: mmap.mmap, info: TensorInfo, keep_quantized: bool) -> torch.Tensor | GroupQuantized:
+    """A quantized weight as its codes and scales if asked and `_kept_as` says it can be; otherwise
+    dequantised to float32."""
+    from lmcli.io.gguf_quant import decode_blocks
+
+    if keep_quantized and _kept_as(info) is not None:
         raw = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.offset)
         return decode_blocks(raw, info.ggml_type, info.shape)
     return _dequantise(buf, info)
@@ -335,11 +343,9 @@ class GGUFTensors:
 
     def quantized_kinds(self) -> list[str]:
         """The stored form ("int4" / "int8") of each tensor that stays quantized, before reading any."""
-        from lmcli.io.gguf_quant import quantized_kind
-
         if not self._keep_quantized:
             return []
-        kinds = (quantized_kind(info.ggml_type) for info in self._header.tensors.values() if len(info.shape) >= 2)
+        kinds = (_kept_as(info) for info in self._header.tensors.values())
         return [kind for kind in kinds if kind is not None]
 
     def forget_vocabulary(self) -> None:

@@ -123,10 +123,6 @@ DECODERS: dict[int, tuple[int, int, _Decoder]] = {
     Q8_0: (8, 32, _q8_0), Q5_0: (8, 32, _q5_0), Q5_1: (8, 32, _q5_1), Q5_K: (8, 32, _q5_k), Q6_K: (8, 16, _q6_k),
 }
 
-def keeps_quantized(ggml_type: int) -> bool:
-    return ggml_type in DECODERS
-
-
 def quantized_kind(ggml_type: int) -> str | None:
     """"int4" or "int8": the form a block type is kept in; None for the types that are dequantised."""
     return f"int{DECODERS[ggml_type][0]}" if ggml_type in DECODERS else None
