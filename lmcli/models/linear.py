@@ -294,17 +294,12 @@ class DequantiseKernel(Kernel):
         return F.linear(x, self.dequantise())
 
 
-def _scales_and_zeros(parts: list[tuple[torch.Tensor, torch.Tensor | None]], dtype: torch.dtype) -> torch.Tensor:
-    """Row blocks of (scales, zeros), each (rows, G) float32 (zeros None for 0) -> torch's (G, all rows, 2)
-    in `dtype`, written block by block so no float32 copy of the whole is ever made."""
-    groups = parts[0][0].shape[1]
-    out = torch.empty(groups, sum(scales.shape[0] for scales, _ in parts), 2, dtype=dtype)
-    start = 0
-    for scales, zeros in parts:
-        rows = slice(start, start + scales.shape[0])
-        out[:, rows, 0] = scales.t()
-        out[:, rows, 1] = 0 if zeros is None else zeros.t()
-        start = rows.stop
+def _scales_and_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(N, G) float32 scales and zeros -> torch's (G, N, 2) in `dtype`, written in place, so no float32
+    copy of the whole (a stack, then a transpose) is ever made."""
+    out = torch.empty(scales.shape[1], scales.shape[0], 2, dtype=dtype)
+    out[..., 0] = scales.t()
+    out[..., 1] = zeros.t()
     return out
 
 
@@ -336,7 +331,7 @@ class Int4PackKernel(Kernel):
         self.columns = 2 * k if self.pair else k  # stored columns
         self.on_cuda = torch.device(device).type == "cuda"
         zeros = _int4_zeros(q.scales, q.offsets)
-        sz = _scales_and_zeros([(q.scales, zeros / 17 if self.pair else zeros)], dtype)
+        sz = _scales_and_zeros(q.scales, zeros / 17 if self.pair else zeros, dtype)
         self.layout = None if self.on_cuda else cpu_pack_layout()
         if self.layout is not None and not self.layout.fits(n):
             self.layout = None
