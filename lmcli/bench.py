@@ -160,12 +160,16 @@ class Worker:
     log: IO[str] | None = None
     ready: dict[str, Any] = field(default_factory=dict)
     failure: str | None = None
+    env: dict[str, str | None] = field(default_factory=dict)  # changes to this process's environment (None: unset)
 
     def start(self) -> None:
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, **{k: v for k, v in self.env.items() if v is not None}}
+        for name in [k for k, v in self.env.items() if v is None]:
+            env.pop(name, None)
         self.process = subprocess.Popen([sys.executable, "-m", "lmcli.bench_worker", json.dumps(self.spec)],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                        bufsize=1)
+                                        bufsize=1, env=env)
 
     def reply(self) -> dict[str, Any]:
         assert self.process is not None and self.process.stdout is not None
