@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from lmcli.bench import decode_rate, mean_kl_divergence
+from lmcli.bench_measure import decode_rate, mean_kl_divergence
 from lmcli.bench_models import QUALITY_TEXT
 
 PROMPT_SEED = 0

@@ -19,6 +19,7 @@ the wait behaviour is already fixed and the thread count is the program's own.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -60,10 +61,8 @@ def read_machine(env: Mapping[str, str] = os.environ) -> Machine:
             fields = file.read().split()
         load, runnable = float(fields[0]), int(fields[3].split("/")[0])
     except (OSError, ValueError, IndexError):
-        try:
+        with contextlib.suppress(OSError):
             load = os.getloadavg()[0]
-        except OSError:
-            pass
     return Machine(cpus=cpus, host_cpus=os.cpu_count() or cpus, load=load, runnable=runnable,
                    local_ranks=_local_ranks(env))
 

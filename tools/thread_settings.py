@@ -17,8 +17,8 @@ import os
 import statistics
 
 from lmcli import threads
-from lmcli.bench import Worker
 from lmcli.bench_load import BackgroundLoad, Loaded
+from lmcli.bench_measure import Worker
 
 SETTINGS = ["default", "GOMP_SPINCOUNT=300000+OMP_WAIT_POLICY=+OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1",
             "OMP_NUM_THREADS=2", "OMP_NUM_THREADS=2+OMP_WAIT_POLICY=PASSIVE",
@@ -72,8 +72,8 @@ def main() -> None:
         if worker.failure:
             print(f"| {worker.name} | {worker.failure} | |")
             continue
-        quiet, busy = (statistics.median(rates[(worker.name, b)]) for b in (False, True))
-        print(f"| {worker.name} | {quiet:.1f} | {busy:.1f} |")
+        quiet, shared = (statistics.median(rates[(worker.name, b)]) for b in (False, True))
+        print(f"| {worker.name} | {quiet:.1f} | {shared:.1f} |")
 
 
 if __name__ == "__main__":
