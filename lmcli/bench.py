@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmcli.bench_load import BackgroundLoad
 from lmcli.bench_measure import (
     Worker,
     _add_ratios,
@@ -132,7 +133,7 @@ def _native_format(path: Path) -> str | None:
         return f"file type {file_type}"
 
 
-def _workers(settings: BenchSettings, path: Path, float_dtype: torch.dtype, threads: int) -> list[Worker]:
+def _workers(settings: BenchSettings, path: Path, float_dtype: torch.dtype, threads: int | None) -> list[Worker]:
     context = max([settings.prefill_tokens, settings.prompt_tokens + settings.new_tokens,
                    *(c + settings.scaling_tokens for c in settings.scaling_contexts)])
     base = {"checkpoint": str(path), "model": settings.model, "device": settings.device, "dtype": settings.dtype,
@@ -153,8 +154,9 @@ def _workers(settings: BenchSettings, path: Path, float_dtype: torch.dtype, thre
 
 def run(settings: BenchSettings, progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Measure everything `settings` asks for; returns the results as plain data (what --json prints)."""
-    import torch
+    from lmcli.threads import configure
 
+    chosen = configure()  # before torch loads here; the workers inherit its environment
     from lmcli.loading import resolve_device, resolve_dtype
 
     if settings.checkpoint is None:
@@ -162,24 +164,27 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
 
         settings.checkpoint = str(default_checkpoint_path())
     path = Path(settings.checkpoint).expanduser().resolve()
-    threads = settings.threads or torch.get_num_threads()
+    threads = settings.threads or chosen.threads
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)
 
     progress("measuring memory read bandwidth")
-    machine = {**cpu_facts(), "read_bandwidth_bytes_per_s": read_bandwidth()}
+    machine = {**cpu_facts(), "read_bandwidth_bytes_per_s": read_bandwidth(),
+               "threads": f"{settings.threads} (--threads)" if settings.threads else chosen.describe()}
     workers = _workers(settings, path, float_dtype, threads)
-    progress(f"loading {', '.join(w.name for w in workers)} (one subprocess each)")
-    for worker in workers:  # one at a time: loading is memory- and CPU-heavy
-        worker.start()
-        worker.wait_ready()
-    try:
-        engines = _measure_engines(settings, workers, progress)
-        scaling = _measure_scaling(settings, workers, progress)
-        quality = _measure_quality(settings, workers, progress)
-    finally:
-        for worker in workers:
-            worker.stop()
+    # The busy loops exist, paused, for the whole run and are killed on leaving (errors and Ctrl-C too).
+    with BackgroundLoad(settings.background_load) as load:
+        try:
+            progress(f"loading {', '.join(w.name for w in workers)} (one subprocess each)")
+            for worker in workers:  # one at a time: loading is memory- and CPU-heavy
+                worker.start()
+                worker.wait_ready()
+            engines = _measure_engines(settings, workers, progress, load)
+            scaling = _measure_scaling(settings, workers, progress)
+            quality = _measure_quality(settings, workers, progress)
+        finally:
+            for worker in workers:
+                worker.stop()
 
     _add_ratios(engines)
     float_tokens = engines.get("lmcli float", {}).pop("tokens", None)

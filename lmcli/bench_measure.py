@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from lmcli.bench_load import BackgroundLoad, Loaded
 from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.bench_settings import BenchSettings
 
@@ -124,17 +125,23 @@ def _first_error(replies: list[dict[str, Any]]) -> str | None:
 
 
 
-def _measure_engines(settings: BenchSettings, workers: list[Worker], progress) -> dict[str, dict[str, Any]]:
+def _measure_engines(settings: BenchSettings, workers: list[Worker], progress,
+                     load: BackgroundLoad | None = None) -> dict[str, dict[str, Any]]:
+    """Prefill and decode figures of every worker; with `load`, each piece of work is also done while the
+    busy loops spin (the figures prefixed "shared_")."""
     work = [("prefill", {"op": "generate", "batch": 1, "context": settings.prefill_tokens, "new": 1})]
     for batch in settings.batch_sizes:
         work.append((f"decode_b{batch}", {"op": "generate", "batch": batch, "context": settings.prompt_tokens,
                                           "new": settings.new_tokens, "tokens": batch == 1}))
+    phases = [("", None), *([("shared_", load)] if load is not None and load.count else [])]
     replies: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for round_ in range(settings.repeats):
         progress(f"round {round_ + 1}/{settings.repeats}")
         for label, request in work:
-            for worker in workers:  # interleaved: each worker does this piece of work in turn
-                replies.setdefault((worker.name, label), []).append(worker.ask(request))
+            for prefix, busy in phases:
+                for worker in workers:  # interleaved: each worker does this piece of work in turn
+                    with Loaded(busy):
+                        replies.setdefault((worker.name, prefix + label), []).append(worker.ask(request))
     engines = {}
     for worker in workers:
         figures: dict[str, Any] = {}
@@ -142,25 +149,33 @@ def _measure_engines(settings: BenchSettings, workers: list[Worker], progress) -
             engines[worker.name] = {"unavailable": worker.failure}
             continue
         figures.update({k: v for k, v in worker.ready.items() if k != "ready"})
-        prefill = replies[(worker.name, "prefill")]
-        error = _first_error(prefill)
-        if error is None:
-            figures["ttft_s"] = _median([r["ttft_s"] for r in prefill])
-            figures["prefill_tokens_per_s"] = settings.prefill_tokens / figures["ttft_s"]
-        else:
-            figures["prefill_unavailable"] = error
-        for batch in settings.batch_sizes:
-            decode = replies[(worker.name, f"decode_b{batch}")]
-            error = _first_error(decode)
-            if error is None:
-                figures[f"decode_b{batch}_tokens_per_s"] = _median([r["decode_tokens_per_s"] for r in decode])
-                if batch == 1:
-                    figures["tokens"] = decode[-1]["tokens"]
-            else:
-                figures[f"decode_b{batch}_unavailable"] = error
+        for prefix, _ in phases:
+            figures.update(_engine_figures(settings, replies, worker.name, prefix))
         figures["peak_rss_bytes"] = worker.ask({"op": "peak_rss"}).get("peak_rss_bytes")
         engines[worker.name] = figures
     return engines
+
+
+def _engine_figures(settings: BenchSettings, replies: dict[tuple[str, str], list[dict[str, Any]]], name: str,
+                    prefix: str) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    prefill = replies[(name, prefix + "prefill")]
+    error = _first_error(prefill)
+    if error is None:
+        figures[prefix + "ttft_s"] = _median([r["ttft_s"] for r in prefill])
+        figures[prefix + "prefill_tokens_per_s"] = settings.prefill_tokens / figures[prefix + "ttft_s"]
+    else:
+        figures[prefix + "prefill_unavailable"] = error
+    for batch in settings.batch_sizes:
+        decode = replies[(name, f"{prefix}decode_b{batch}")]
+        error = _first_error(decode)
+        if error is None:
+            figures[f"{prefix}decode_b{batch}_tokens_per_s"] = _median([r["decode_tokens_per_s"] for r in decode])
+            if batch == 1 and not prefix:
+                figures["tokens"] = decode[-1]["tokens"]
+        else:
+            figures[f"{prefix}decode_b{batch}_unavailable"] = error
+    return figures
 
 
 def _add_ratios(engines: dict[str, dict[str, Any]]) -> None:

@@ -25,6 +25,19 @@ def _label(name: str, figures: dict[str, Any], results: dict[str, Any]) -> str:
     return name
 
 
+def _ratio(figures: dict[str, Any], other: str, key: str) -> str:
+    ratios = figures.get(f"vs_{other}", {})
+    return f"{ratios[key]:.2f}x" if key in ratios else ""
+
+
+def _shared_cells(figures: dict[str, Any], batches: list[int]) -> list[str]:
+    """The figures measured while the busy loops spun (--background-load)."""
+    ttft = figures.get("shared_ttft_s")
+    return [_rate(ttft * 1000 if ttft is not None else None, 0),
+            *(_rate(figures.get(f"shared_decode_b{b}_tokens_per_s")) for b in batches),
+            _ratio(figures, "llama.cpp", "shared_decode_b1_tokens_per_s")]
+
+
 def print_report(results: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -37,12 +50,17 @@ def print_report(results: dict[str, Any], console=None) -> None:
                   f"torch {machine['torch']} capability {machine['torch_cpu_capability']} · "
                   f"extensions {' '.join(machine['extensions']) or 'none seen'} · "
                   f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", highlight=False)
+    if "threads" in machine:
+        console.print(f"threads: {machine['threads']}", highlight=False)
     batches = settings["batch_sizes"]
+    busy = settings.get("background_load", 0)
+    shared = [f"TTFT ms, {busy} busy", *(f"decode b{b} tok/s, {busy} busy" for b in batches),
+              f"b1 {busy} busy vs llama.cpp"] if busy else []
     table = Table(title=f"prefill {settings['prefill_tokens']} tokens (b1) · decode {settings['new_tokens']} "
                         f"tokens after {settings['prompt_tokens']} · median of {settings['repeats']} interleaved "
                         f"round(s)", title_justify="left")
     columns = ["engine", "prefill tok/s", "TTFT ms", *(f"decode b{b} tok/s" for b in batches), "peak RSS MiB",
-               "b1 vs transformers", "b1 vs llama.cpp"]
+               "b1 vs transformers", "b1 vs llama.cpp", *shared]
     for column in columns:
         table.add_column(column, justify="left" if column == "engine" else "right")
     for name, figures in results["engines"].items():
@@ -58,8 +76,8 @@ def print_report(results: dict[str, Any], console=None) -> None:
             _rate(ttft * 1000 if ttft is not None else None, 0),
             *(_rate(figures.get(f"decode_b{b}_tokens_per_s")) for b in batches),
             _rate(peak / 2**20 if peak else None, 0),
-            *(f"{figures[f'vs_{o}']['decode_b1_tokens_per_s']:.2f}x"
-              if "decode_b1_tokens_per_s" in figures.get(f"vs_{o}", {}) else "" for o in ("transformers", "llama.cpp")),
+            *(_ratio(figures, o, "decode_b1_tokens_per_s") for o in ("transformers", "llama.cpp")),
+            *(_shared_cells(figures, batches) if busy else ()),
         )
     console.print(table)
     for name, figures in results["engines"].items():

@@ -11,6 +11,7 @@ from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.errors import UsageError
 
 ENGINES = ("lmcli", "transformers", "llama.cpp")
+MAX_BACKGROUND_LOAD = 256
 FORMATS = ("float", "native", "int4", "int8")  # lmcli weight formats; "native" = the file's own quantization
 
 
@@ -36,7 +37,8 @@ class BenchSettings:
     quality_prompts: int = len(TEXT_PROMPTS)
     quality_tokens: int = 32
     kl_tokens: int = 512
-    threads: int | None = None  # default: torch's own thread count
+    threads: int | None = None  # default: lmcli's choice for the machine (lmcli.threads)
+    background_load: int = 0  # busy loops spinning beside the engines in a second set of runs (0: none)
 
     def quick(self) -> BenchSettings:
         """Less of everything: one round, no 4k context or batch 32, a shorter quality check."""
@@ -88,6 +90,8 @@ def settings_from_options(checkpoint: str | None = None, *, engines: str | Seque
         settings.scaling_contexts = _sizes(contexts, "--contexts")
     if scaling_batches is not None:
         settings.scaling_batches = _sizes(scaling_batches, "--scaling-batches")
+    if not 0 <= settings.background_load <= MAX_BACKGROUND_LOAD:
+        raise UsageError(f"--background-load {settings.background_load}: choose 0 to {MAX_BACKGROUND_LOAD} busy loops")
     settings.quality = settings.quality and not skip_quality
     return settings.quick() if quick else settings
 

@@ -224,6 +224,17 @@ CompileOption = Annotated[bool, _switch(
     "--compile", "Compile the decode step with torch.compile (CUDA: with CUDA graphs). Compiling takes a minute "
                  "or more; it pays off over long generations. Falls back to eager, with a warning, if it fails.",
     MODEL_PANEL)]
+ThreadsOption = Annotated[int | None, _option(
+    "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "
+         "'lmcli info'); OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT, when set, are kept.",
+    "--threads", panel=MODEL_PANEL, min=1, max=1024)]
+
+
+def _use_threads(threads: int | None) -> None:
+    """Thread settings before torch loads (it loads later, with the model): lmcli.threads."""
+    from lmcli.threads import configure
+
+    configure(threads)
 
 
 # The decoding flags `generate` and `chat` share (a test checks that chat has every one of generate's),
@@ -357,6 +368,7 @@ def generate(
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = False,
+    threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,
     chat: Annotated[bool, _switch(
@@ -401,6 +413,7 @@ def generate(
     """
     from lmcli.settings import read_model_defaults
 
+    _use_threads(threads)
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
@@ -606,6 +619,7 @@ def chat(
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = False,
+    threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,
     system: Annotated[str | None, _option("TEXT", "The system message.", panel=PROMPT_PANEL)] = None,
@@ -632,6 +646,7 @@ def chat(
     from lmcli.chat import ChatOptions, run_chat
     from lmcli.settings import read_model_defaults
 
+    _use_threads(threads)
     settings = _settings_from_flags(decoding, chat=True, system=system)
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
     options = ChatOptions(
@@ -775,6 +790,9 @@ def info(
         facts.insert(4, ("quantization", describe_gguf_storage(checkpoint)))
     facts.append(("file size", human_bytes(size_on_disk(checkpoint))))
     facts.extend(_quantization_facts(checkpoint, loaded))
+    from lmcli.threads import describe
+
+    facts.append(("threads", describe()))
     if not sys.stdout.isatty():
         for key, value in facts:
             typer.echo(f"{key}: {value}")
@@ -876,7 +894,12 @@ def bench(
         _BENCH_PANEL)] = False,
     quick: Annotated[bool, _switch(
         "--quick", "One round, no 4k context or batch 32, a shorter quality check.", _BENCH_PANEL)] = False,
-    threads: Annotated[int | None, _measure("INT", "Threads per engine. Default: torch's thread count.", min=1)] = None,
+    threads: Annotated[int | None, _measure(
+        "INT", "Threads per engine. Default: lmcli's choice for this machine (see 'lmcli info').", min=1,
+        max=1024)] = None,
+    background_load: Annotated[int | None, _measure(
+        "N", "Also measure prefill and decode while N busy loops keep cores taken (a shared machine), beside "
+             "the quiet figures; the loops are stopped at the end.", min=0, max=256)] = None,
     as_json: Annotated[bool, _switch("--json", "Print the results as JSON instead of tables.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
@@ -887,7 +910,7 @@ def bench(
         model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
         max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
         prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
-        skip_quality=skip_quality, quick=quick, threads=threads, as_json=as_json,
+        skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, as_json=as_json,
     )
     # Unset options are left out so bench.py's own defaults apply (and are validated there).
     bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})
