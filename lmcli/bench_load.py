@@ -26,6 +26,7 @@ try:
     ctypes.CDLL(None, use_errno=True).prctl(1, 9)
 except (OSError, AttributeError):
     pass
+print("ready", flush=True)  # asked for: the parent may stop this process now
 while os.getppid() == parent and time.monotonic() < deadline:
     for _ in range(100_000):
         pass
@@ -52,9 +53,13 @@ class BackgroundLoad:
         try:
             for _ in range(self.count):
                 process = subprocess.Popen([sys.executable, "-c", _LOOP, str(os.getpid()), str(self.max_seconds)],
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.DEVNULL)
                 self.processes.append(process)
-                self._signal(process, signal.SIGSTOP)
+                assert process.stdout is not None
+                process.stdout.readline()  # its parent-death signal is set (else stopping it now could orphan it)
+                process.stdout.close()
+            self.pause()
         except BaseException:
             self.stop()
             raise
@@ -67,8 +72,12 @@ class BackgroundLoad:
             self._signal(process, signal.SIGCONT)
 
     def pause(self) -> None:
+        """Stop the loops, returning once each has stopped (a signal is delivered asynchronously)."""
         for process in self.processes:
             self._signal(process, signal.SIGSTOP)
+        for process in self.processes:
+            if process.poll() is None:
+                os.waitpid(process.pid, os.WUNTRACED)  # reports the stop (SIGSTOP cannot be ignored)
 
     def stop(self) -> None:
         """Kill and reap every loop (a stopped process dies of SIGKILL too)."""
