@@ -16,6 +16,16 @@ from lmcli.errors import ConfigError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# HF hidden_act names -> the function each stands for (models/layers.py maps these to torch).
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 def eos_id_list(eos_token_id: Any) -> list[int]:
@@ -96,8 +106,6 @@ class ModelConfig:
             )
         if any(t == SLIDING for t in self.layer_types) and not self.sliding_window:
             raise ConfigError("config: sliding_attention layers need a positive sliding_window")
-        from lmcli.models.layers import ACTIVATIONS  # torch-heavy; config.py itself stays light
-
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"config: unsupported activation '{self.hidden_act}' (supported: {', '.join(sorted(ACTIVATIONS))})"

@@ -7,15 +7,28 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
+from lmcli.config import ModelConfig
 from lmcli.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from lmcli.models.base import BaseModel
+
+class FillableModel(Protocol):
+    """What fill_model needs of a model (lmcli.models.base.BaseModel is one): io sits below the models."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def named_parameters(self, prefix: str = ..., recurse: bool = ...,
+                         remove_duplicate: bool = ...) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = ..., assign: bool = ...) -> Any: ...
+
+    def tie_weights(self) -> None: ...
 
 # Non-parameter buffers that real checkpoints carry (RoPE tables, GPT-2's causal mask); recognised and skipped.
 IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(bias|masked_bias))$")
@@ -97,7 +110,7 @@ def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, t
     return tensors, origin
 
 
-def fill_model(model: BaseModel, tensors: dict[str, torch.Tensor], source: str,
+def fill_model(model: FillableModel, tensors: dict[str, torch.Tensor], source: str,
                origin: dict[str, Path] | None = None) -> None:
     """Assign checkpoint tensors to the model's parameters by name, accounting for every one.
 

@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
+from lmcli.generation import loop
 from lmcli.models.layers import (
     MLP,
     Attention,
     AttentionInputs,
     SparseMoE,
     make_norm,
-    positions_from_mask,
     rope_cos_sin,
     rope_inverse_frequencies,
 )
@@ -128,7 +128,7 @@ class BaseModel(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         slot_is_token = attention_mask.bool()
-        positions = positions_from_mask(slot_is_token)
+        positions = loop.positions_from_mask(slot_is_token)
         query_slots = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward_slots(input_ids, positions, query_slots, slot_is_token)
 
@@ -253,9 +253,7 @@ class BaseModel(nn.Module):
 
         A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s.
         """
-        from lmcli.generation.loop import generate
-
-        return generate(self, *args, **kwargs)
+        return loop.generate(self, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:

@@ -8,14 +8,24 @@ Both return the keys a query chunk may need plus each key's slot; the attention 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from lmcli.config import SLIDING
+from lmcli.config import SLIDING, ModelConfig
 
-if TYPE_CHECKING:
-    from lmcli.models.base import BaseModel
+
+class CachedModel(Protocol):
+    """What a cache is shaped from (lmcli.models.base.BaseModel is one)."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 
 class KVCache:
@@ -88,7 +98,7 @@ class ModelCache:
         self.layers = layers
 
     @classmethod
-    def for_model(cls, model: BaseModel, batch_size: int, max_length: int) -> ModelCache:
+    def for_model(cls, model: CachedModel, batch_size: int, max_length: int) -> ModelCache:
         config = model.config
         layers: list[LayerCache] = []
         for layer_type in config.layer_types:
