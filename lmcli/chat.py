@@ -234,17 +234,13 @@ class ChatSession:
         limit = min(len(self._cached_ids), len(ids) - 1)
         while common < limit and self._cached_ids[common] == ids[common]:
             common += 1
-        if common < len(self._cached_ids) and self._has_rolling_layers():
-            # A ring buffer has overwritten the keys before its window, so it cannot go back to an
-            # earlier point of the text: start again with an empty cache.
+        back = len(self._cached_ids) - common
+        if back and self._cache is not None and self._cache.trim(back) < back:
+            # The cache cannot go back that far (a ring buffer has overwritten the keys before its
+            # window): start again with an empty one.
             self._cache = None
             return 0
         return common
-
-    def _has_rolling_layers(self) -> bool:
-        from lmcli.models.cache import RollingKVCache
-
-        return self._cache is not None and any(isinstance(layer, RollingKVCache) for layer in self._cache.layers)
 
     # --- transcripts ------------------------------------------------------------------------------
 

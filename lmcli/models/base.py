@@ -234,14 +234,15 @@ class BaseModel(nn.Module):
 
     # --- cache and generation ---------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
+    def init_cache(self, batch_size: int, max_length: int, rollback: int = 0) -> ModelCache:
         """A cache for `batch_size` rows of up to `max_length` tokens, allocated once.
 
-        Sliding-window layers get a rolling buffer of `sliding_window` slots; the others a static one.
+        Sliding-window layers get a rolling buffer of `sliding_window` slots (plus `rollback` spare ones,
+        so that it can be trimmed by that many: see ModelCache.trim); the others a static one.
         """
         from lmcli.models.cache import ModelCache
 
-        return ModelCache.for_model(self, batch_size, max_length)
+        return ModelCache.for_model(self, batch_size, max_length, rollback)
 
     def traverse_cache(self, cache: ModelCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelCache:
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
