@@ -44,8 +44,32 @@ def _forget(slots: torch.Tensor, n: int) -> None:
             slots.masked_fill_(slots >= _held_length(slots) - n, -1)
 
 
-class KVCache:
-    """Every slot up to `max_length`; slot s lives at index s."""
+class _SlotCache:
+    """What both caches share: keys and values [B, nkv, slots, hd] and a record of the slot each holds."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor  # [slots] long: the slot held at each index, -1 for none
+
+    def trimmable(self) -> int:
+        raise NotImplementedError
+
+    def is_trimmable(self) -> bool:
+        return self.trimmable() > 0
+
+    def trim(self, n: int) -> int:
+        """Forget up to `n` of the last slots written (no more than `trimmable()`); returns how many."""
+        n = max(0, min(n, self.trimmable()))
+        _forget(self.slots, n)
+        return n
+
+    def traverse(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
+
+
+class KVCache(_SlotCache):
+    """Every slot up to `max_length`; slot s lives at index s. Trimming moves the write position back."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
@@ -72,21 +96,9 @@ class KVCache:
         """All it holds: later writes overwrite slot by slot, and the causal mask hides what lies after."""
         return _held_length(self.slots)
 
-    def is_trimmable(self) -> bool:
-        return self.trimmable() > 0
-
-    def trim(self, n: int) -> int:
-        """Move the write position back by up to `n` slots; returns how many."""
-        n = max(0, min(n, self.trimmable()))
-        _forget(self.slots, n)
-        return n
-
-    def traverse(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
 
 
-class RollingKVCache:
+class RollingKVCache(_SlotCache):
     """A ring of `window + spare` slots; slot s lives at index s % capacity.
 
     A query needs only the `window` keys ending at itself, so the ring evicts what lies before; the
@@ -134,18 +146,6 @@ class RollingKVCache:
             return length
         return max(0, length - self.window + 1 - oldest)
 
-    def is_trimmable(self) -> bool:
-        return self.trimmable() > 0
-
-    def trim(self, n: int) -> int:
-        """Forget up to `n` of the last slots written (no more than `trimmable()`); returns how many."""
-        n = max(0, min(n, self.trimmable()))
-        _forget(self.slots, n)
-        return n
-
-    def traverse(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.keys, self.values = fn(self.keys), fn(self.values)
-        self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
 
 
 LayerCache = KVCache | RollingKVCache
