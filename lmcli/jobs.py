@@ -66,6 +66,7 @@ from lmcli.generation.rows import (
     require_chat_template,
     truncation_warning,
 )
+from lmcli.io.atomic import write_atomically
 from lmcli.job_input import JobRow, id_key, read_rows
 from lmcli.job_input import unescape_line as unescape_line  # part of the job format, documented here
 from lmcli.settings import GenerationSettings, RowError
@@ -194,12 +195,7 @@ def read_finished(path: Path) -> dict[str, dict]:
         finished[key] = row
         kept.append(raw)
     if partial or len(kept) != len(lines):
-        temporary = path.with_name(path.name + ".resume-tmp")
-        with open(temporary, "wb") as f:
-            f.write(b"".join(line + b"\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        write_atomically(path, b"".join(line + b"\n" for line in kept), durable=True)
     return finished
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
+from lmcli.errors import first_line
 from lmcli.generation import loop
 from lmcli.models.layers import (
     MLP,
@@ -198,8 +199,7 @@ class BaseModel(nn.Module):
             return compiled(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
         except Exception as exc:  # any compiler failure: no C compiler, an op inductor cannot lower, ...
             self._compiled_decode = None
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-            sys.stderr.write(f"warning: --compile failed ({reason}); decoding without it\n")
+            sys.stderr.write(f"warning: --compile failed ({first_line(exc)[:160]}); decoding without it\n")
             # Writing the same keys and values again at the same slots is harmless.
             return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
                                        int(query_slots[-1]) + 1, last_only)
