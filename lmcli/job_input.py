@@ -74,10 +74,9 @@ def unescape_line(text: str) -> str:
 
 
 def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings)
+    obj, bad = _decode(number, text, settings)
+    if bad is not None:
+        return bad
     if not isinstance(obj, dict):
         return _bad_row(number, number, "a row must be a JSON object", text, settings)
     row_id = obj.get("id", number)
@@ -111,10 +110,9 @@ def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> 
     """An OpenAI batch request (see openai_batch.py); its body's fields rank as a row's do (under the flags)."""
     from lmcli import openai_batch
 
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url="?")
+    obj, bad = _decode(number, text, settings, url="?")
+    if bad is not None:
+        return bad
     custom_id = openai_batch.request_id(obj)
     if custom_id is None:
         return _bad_row(number, number, '"custom_id" must be a non-empty string', text, settings, url="?")
@@ -127,6 +125,14 @@ def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> 
         message = openai_batch.in_body_terms(str(e), obj)
         return _bad_row(number, custom_id, message, text, settings, url=str(obj.get("url")))
     return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
+
+
+def _decode(number: int, text: str, settings: GenerationSettings, url: str | None = None) -> tuple[Any, JobRow | None]:
+    """A line's JSON value, or the error row that says why it has none."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url=url)
 
 
 def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> JobRow:

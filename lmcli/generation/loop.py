@@ -19,15 +19,19 @@ from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, mak
 CacheT = TypeVar("CacheT")
 
 
-class SlotModel(Protocol[CacheT]):
-    """What the loop needs of a model (lmcli.models.base.BaseModel is one); the loop sits below the
-    models and knows them only through this, so a cache is whatever the model's init_cache returns."""
+class ModelShape(Protocol):
+    """A model's config and device: what code below the models (this loop, the caches) sizes things by."""
 
     @property
     def config(self) -> ModelConfig: ...
 
     @property
     def device(self) -> torch.device: ...
+
+
+class SlotModel(ModelShape, Protocol[CacheT]):
+    """What the loop needs of a model (lmcli.models.base.BaseModel is one); the loop sits below the
+    models and knows them only through this, so a cache is whatever the model's init_cache returns."""
 
     def init_cache(self, batch_size: int, max_length: int) -> CacheT: ...
 

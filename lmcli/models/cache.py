@@ -16,20 +16,15 @@ from typing import Protocol
 
 import torch
 
-from lmcli.config import SLIDING, ModelConfig
+from lmcli.config import SLIDING
+from lmcli.generation.loop import ModelShape
 
 
-class CachedModel(Protocol):
+class CachedModel(ModelShape, Protocol):
     """What a cache is shaped from (lmcli.models.base.BaseModel is one)."""
 
     @property
-    def config(self) -> ModelConfig: ...
-
-    @property
     def dtype(self) -> torch.dtype: ...
-
-    @property
-    def device(self) -> torch.device: ...
 
 
 def _held_length(slots: torch.Tensor) -> int:
