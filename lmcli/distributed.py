@@ -30,18 +30,20 @@ jobs.JobOutput (a part file, or nowhere).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmcli.errors import UsageError
+from lmcli import jobs
+from lmcli.errors import LmcliError, UsageError
 from lmcli.io.checkpoint import LazyTensor
 from lmcli.io.checkpoint import lazy_safetensors as lazy_safetensors  # where a rank's loading finds it
 from lmcli.jobs import FileOutput, JobOutput
@@ -279,8 +281,6 @@ def _parts(output_path: Path) -> list[Path]:
 
 def _on_rank_0(action) -> Any:
     """Run `action` on rank 0 only; its result, or its LmcliError, reaches every rank."""
-    from lmcli.errors import LmcliError
-
     outcome: list[Any] = [None]
     if rank() == 0:
         try:
@@ -295,8 +295,6 @@ def _on_rank_0(action) -> Any:
 
 
 def _append_lines(output_path: Path, lines: list[bytes]) -> None:
-    from lmcli.errors import LmcliError
-
     try:
         with open(output_path, "ab") as out:
             out.write(b"".join(line + b"\n" for line in lines))
@@ -316,14 +314,10 @@ def _complete_lines(path: Path) -> list[bytes]:
 def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int:
     """Append the rows of the part files to `output_path` (in input order when `order` maps ids to
     input positions), then remove the parts. Returns the number of rows moved."""
-    import json
-
-    from lmcli.jobs import id_key
-
     parts = _parts(output_path)
     lines = [line for part in parts for line in _complete_lines(part)]
     if order is not None:
-        lines.sort(key=lambda line: order.get(id_key(json.loads(line).get("id")), len(order)))
+        lines.sort(key=lambda line: order.get(jobs.id_key(json.loads(line).get("id")), len(order)))
     if lines or not output_path.exists():
         _append_lines(output_path, lines)
     for part in parts:
@@ -334,8 +328,6 @@ def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int
 def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
     """Part files an interrupted data-parallel job left beside OUTPUT: with --resume their rows join
     OUTPUT (whatever the number of ranks now, one included); with --overwrite they are removed."""
-    from lmcli import jobs
-
     leftovers = _parts(output_path)
     if not leftovers:
         return
@@ -354,8 +346,6 @@ def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
 def _prepare_output(output_path: Path, resume: bool, overwrite: bool) -> None:
     """Rank 0, before any rank reads OUTPUT: the checks a one-process job makes, leftover parts
     adopted, and the file tidied (torn line and failed rows dropped) so the ranks can all read it."""
-    from lmcli import jobs
-
     if overwrite:
         output_path.unlink(missing_ok=True)
     elif output_path.exists() and not resume:
@@ -377,31 +367,35 @@ class _RankPart(FileOutput):
         return todo[rank()::world_size()]
 
 
+class _InStep(JobOutput):
+    """A tensor-parallel rank but 0: runs the rows rank 0 runs (those in `done` are done), writing to `stream`."""
+
+    def __init__(self, stream: IO[str], done: Path | None):
+        super().__init__(stream)
+        self.path = done
+
+    def finished(self) -> dict[str, dict]:
+        return jobs.read_finished(self.path) if self.path is not None else {}
+
+
 def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                             resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job on a model split over the ranks: every rank runs every row in step, rank 0 writes."""
-    from lmcli import jobs
-
     if output_path is not None:
         _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
     if rank() == 0:
         return jobs.run_job(input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume,
                             overwrite=overwrite, identity=identity)
-    # The other ranks skip the rows rank 0 skips (those OUTPUT holds, with --resume), and write nowhere.
+    # The other ranks skip the rows rank 0 skips, and write nowhere.
+    done = output_path if resume and output_path is not None and output_path.exists() else None
     with open(os.devnull, "w") as nowhere:
-        output = JobOutput(nowhere)
-        if output_path is not None:
-            output = FileOutput(output_path, resume=resume, overwrite=overwrite, write_to=Path(os.devnull))
-            output.progress = False
-        return jobs.run_job(input_path, output, settings, load=load, batch_size=batch_size)
+        return jobs.run_job(input_path, _InStep(nowhere, done), settings, load=load, batch_size=batch_size)
 
 
 def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                           resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job shared by the ranks of the process group; returns the whole job's JobReport
     (on every rank)."""
-    from lmcli import jobs
-
     if output_path is None:
         raise UsageError("a data-parallel job (torchrun without --tp) needs --output FILE")
 
