@@ -751,6 +751,7 @@ def info(
     quantize: QuantizeOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
+    _use_threads(None)  # before default_model below loads torch
     from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count
     from lmcli.default_model import describe_weights
     from lmcli.model_names import size_on_disk

@@ -188,3 +188,11 @@ def test_bench_background_load_measures_shared_figures_and_leaves_no_loop(tmp_pa
     assert "decode b1 tok/s, 1 busy" in capsys.readouterr().out
     with pytest.raises(UsageError, match="--background-load 999"):
         bench.settings_from_options(None, background_load=999)
+
+
+def test_info_says_what_was_chosen_and_why():
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "LMCLI_THREADS_SET")}
+    result = subprocess.run([sys.executable, "-m", "lmcli", "info"], capture_output=True, text=True, timeout=300,
+                            env={**env, "OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "5"}, check=True)
+    line = next(line for line in result.stdout.splitlines() if line.startswith("threads: "))
+    assert line.startswith("threads: 1 thread, GOMP_SPINCOUNT=5 from the environment — OMP_NUM_THREADS=1 from")
