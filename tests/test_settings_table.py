@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401
@@ -156,3 +157,17 @@ def test_the_tables_names_are_the_ones_each_place_uses():
     assert {s.gguf for s in SETTINGS.values() if s.gguf} <= gguf_keys
     # a switch has no "not set"
     assert all(not s.optional for s in SETTINGS.values() if s.kind == SWITCH)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300])
+def test_a_temperature_so_small_it_overflows_samples_the_argmax(temperature):
+    import torch
+
+    from lmcli.generation.sampling import Temperature, row_generators, sample
+
+    logits = torch.randn(16, 97, generator=torch.Generator().manual_seed(0)) * 5
+    logits[:, 3] = -math.inf  # a token a processor banned stays banned
+    scaled = Temperature(temperature)(logits[:, :0], logits)
+    assert not scaled.isnan().any()
+    for seed in range(3):
+        assert torch.equal(sample(scaled, row_generators(seed, 16, torch.device("cpu"))), logits.argmax(-1))

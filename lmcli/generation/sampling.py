@@ -51,7 +51,14 @@ class Temperature:
         self.temperature = check_temperature(temperature)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return logits / self.temperature
+        scaled = logits / self.temperature
+        if self.temperature < 1 and bool(torch.isposinf(scaled).any()):
+            # So small a temperature overflows (1e-45: 10 / t is past float32's range, and softmax of
+            # inf is nan); its limit keeps the best tokens alone. Shifted by the best logit first, in
+            # float64, the best tokens are 0 and the rest far below (or -inf).
+            wide = logits.double()
+            scaled = ((wide - wide.amax(dim=-1, keepdim=True)) / self.temperature).to(logits.dtype)
+        return scaled
 
 
 class TopK:
