@@ -179,17 +179,18 @@ class GenerationSettings(DecodingFields):
                 if name not in given:
                     changes[name] = None
                     sources.pop(name, None)
-        return _made(lambda: dataclasses.replace(self, **changes, sources=sources)._with_model_layer(), RowError)
+        return _made(lambda: self._over_model(changes, sources, self.model_defaults), RowError)
 
     def with_model_defaults(self, defaults: ModelDefaults) -> GenerationSettings:
         """These settings over the model's own defaults (which fill only what no flag or row set)."""
-        return _made(lambda: dataclasses.replace(self, model_defaults=defaults)._with_model_layer(), LmcliError)
+        return _made(lambda: self._over_model({}, self.sources, defaults), LmcliError)
 
-    def _with_model_layer(self) -> GenerationSettings:
-        """Refill, from the model's defaults, every setting that only has lmcli's default."""
-        defaults = self.model_defaults
-        changes: dict[str, Any] = {}
-        sources = {name: where for name, where in self.sources.items() if where in (FLAG, ROW)}
+    def _over_model(self, changes: Mapping[str, Any], sources: Mapping[str, str],
+                    defaults: ModelDefaults) -> GenerationSettings:
+        """These settings with `changes` (from `sources`), over `defaults`: every setting that only has
+        lmcli's default is refilled from the model's. Made (and so checked) once."""
+        changes = dict(changes)
+        sources = {name: where for name, where in sources.items() if where in (FLAG, ROW)}
         for name in MODEL_SETTINGS:
             if sources.get(name) in (FLAG, ROW):
                 continue
@@ -206,7 +207,7 @@ class GenerationSettings(DecodingFields):
                 if sources.get(name) == defaults.source:
                     changes[name] = None
                     del sources[name]
-        return dataclasses.replace(self, **changes, sources=sources)
+        return dataclasses.replace(self, **changes, sources=sources, model_defaults=defaults)
 
     def resumed(self, saved: Mapping[str, Any], allowed: Collection[str], explicit: Collection[str], where: str,
                 error: type[Exception]) -> GenerationSettings:
