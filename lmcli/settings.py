@@ -304,12 +304,9 @@ def _made(make: Callable[[], Any], error: type[Exception], name: Callable[[str],
 
 def _saved_value(name: str, value: Any) -> Any:
     """A transcript's setting as /save wrote it (JSON null for one not set; logit_bias as pairs)."""
-    if name == "logit_bias" and isinstance(value, list):
-        pairs = value
-        if not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs):
-            raise SamplingError(name, 'must be an object of token (text or id) to bias, e.g. {"13": -100}',
-                                shown=json.dumps(value, default=repr))
-        value = dict(pairs)
+    pairs = name == "logit_bias" and isinstance(value, list)
+    if pairs and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in value):
+        value = dict(value)  # anything else is refused as not an object, below
     return SETTINGS[name].from_json(value, null=True)
 
 
