@@ -27,12 +27,15 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.generation.rows import RowResult, generate_batch, prepare_row
 from lmcli.settings import DEFAULT_TEMPERATURE, GenerationSettings
+
+if TYPE_CHECKING:
+    from lmcli.model_ref import ResolvedModel
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
@@ -352,20 +355,6 @@ def _parse_setting(name: str, type_name: str, value: str) -> Any:
     raise ChatError(f"{name} cannot be changed with /set")
 
 
-def checkpoint_fingerprint(path: Path) -> str:
-    """Identifies a checkpoint's content cheaply: size and a hash of the first 16 MiB, per file."""
-    import hashlib
-
-    from lmcli.default_model import gguf_fingerprint
-
-    if path.is_file():
-        return gguf_fingerprint(path)
-    digest = hashlib.sha256()
-    for file in sorted(p for p in path.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".model")):
-        digest.update(f"{file.name}:{gguf_fingerprint(file)}\n".encode())
-    return digest.hexdigest()[:32]
-
-
 # ----------------------------------------------------------------------------- input
 
 
@@ -664,7 +653,7 @@ def _turn_summary(turn: Turn) -> str:
 
 
 def run_chat(load: Callable[[], tuple[Any, Any]], settings: GenerationSettings, options: ChatOptions,
-             checkpoint: Path | None) -> None:
+             resolved: ResolvedModel) -> None:
     """`lmcli chat`: load the model, set up the session (resumed or new) and talk until the end of input."""
     interactive = sys.stdin.isatty()
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
@@ -675,11 +664,7 @@ def run_chat(load: Callable[[], tuple[Any, Any]], settings: GenerationSettings, 
         saved = load_transcript(options.resume)
         settings = resumed_settings(saved.get("settings", {}), settings, set(options.explicit), options.resume)
     model, tokenizer = load()
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = Path(default_checkpoint_path())
-    model_info = {"checkpoint": str(checkpoint), "fingerprint": checkpoint_fingerprint(checkpoint)}
+    model_info = resolved.record()  # the checkpoint `load` loaded, however it was named
     context = options.context
     if context is None and saved is not None and isinstance(saved.get("context"), int):
         context = min(saved["context"], model.config.max_position_embeddings)
@@ -693,7 +678,7 @@ def run_chat(load: Callable[[], tuple[Any, Any]], settings: GenerationSettings, 
         if interactive:
             _show_transcript(repl, session.messages)
     if interactive:
-        repl.note(f"chatting with {checkpoint.name} · context {session.context} tokens · /help for commands,"
+        repl.note(f"chatting with {resolved.path.name} · context {session.context} tokens · /help for commands,"
                   " Ctrl-D to quit")
         if options.color_probs and repl.terminal:
             legend = " ".join(f"[{colour}]p<{bound:g}[/]" for bound, colour in PROBABILITY_COLOURS)

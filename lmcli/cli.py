@@ -307,24 +307,25 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
     )
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
-          tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None,
-          compile_decode: bool = False):
-    """Load the model (with a spinner on a terminal); torch is imported here, not before."""
+def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None = None):
+    """The model -c/-m/--tokenizer name, resolved once for the whole command (lmcli.model_ref)."""
+    from lmcli.model_ref import resolve_model
+
+    return resolve_model(checkpoint, model, tokenizer)
+
+
+def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True, tp: int | None = None,
+          quantize: Quantize | None = None, compile_decode: bool = False):
+    """Load the resolved model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
     import lmcli
 
     console = Console(stderr=True)
-    where = str(checkpoint) if checkpoint is not None else model or "the default model"
+    where = str(resolved.path)
     with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
         loaded, text_tokenizer = lmcli.load(
-            checkpoint=str(checkpoint) if checkpoint is not None else None,
-            model=model,
-            dtype=dtype.value,
-            device=device.value,
-            tokenizer_path=tokenizer,
-            tp=tp,
+            resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
     if compile_decode:
@@ -399,17 +400,16 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.settings import read_model_defaults
-
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
-    # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
-    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
+    resolved = _resolve(checkpoint, model, tokenizer)
+    # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
+    settings = settings.with_model_defaults(resolved.defaults)
 
     def load():
-        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp, quantize=quantize,
+        loaded, loaded_tokenizer = _load(resolved, device, dtype, tp=tp, quantize=quantize,
                                          compile_decode=compile_decode)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
@@ -418,15 +418,10 @@ def generate(
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
-    def identity() -> dict:
-        from lmcli.loading import checkpoint_identity
-
-        name = model or (checkpoint.name if checkpoint is not None else "smollm2-135m")
-        return {"name": name, "fingerprint": checkpoint_identity(checkpoint, model, tokenizer)}
-
     with _process_group(tp, input_path, device):
         if input_path is not None:
-            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp)
+            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
+                     resolved.identity, tp)
             return
         text = _read_prompt(prompt)
         _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
@@ -630,17 +625,17 @@ def chat(
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
     from lmcli.chat import ChatOptions, run_chat
-    from lmcli.settings import read_model_defaults
 
     settings = _settings_from_flags(decoding, chat=True, system=system)
-    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
+    resolved = _resolve(checkpoint, model)
+    settings = settings.with_model_defaults(resolved.defaults)
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
         explicit=frozenset(_explicit_settings(ctx)),
     )
     try:
-        run_chat(lambda: _load(checkpoint, model, device, dtype, quantize=quantize, compile_decode=compile_decode),
-                 settings, options, checkpoint)
+        run_chat(lambda: _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode),
+                 settings, options, resolved)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
         sys.stderr.write("\ninterrupted\n")
         raise typer.Exit(130) from None
@@ -659,58 +654,9 @@ def _explicit_settings(ctx: typer.Context) -> set[str]:
 @app.command()
 def models() -> None:
     """List the real models on this machine (for --model NAME), then the architectures and presets."""
-    from lmcli import model_names, registry
-    from lmcli.console import human_bytes
+    from lmcli.console import print_models
 
-    local = [
-        (m.name, "default" if m.default else "", _SOURCES[m.source],
-         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
-        for m in model_names.installed_models()
-    ]
-    rows = []
-    for name in registry.list_presets():
-        preset = registry.preset_config(name) or {}
-        config = registry.config_from_hf(preset)
-        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
-        rows.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
-    architectures = ", ".join(registry.list_architectures())
-    searched = f"searched: lmcli's models directory {model_names.models_dir()}, the HF hub cache {model_names.hf_hub_cache()}"
-    if not sys.stdout.isatty():
-        # One record per line, kind first: `lmcli models | grep ^model` lists the real models.
-        for model_row in local:
-            typer.echo("\t".join(("model", *model_row)).rstrip("\t"))
-        typer.echo(f"architectures\t{architectures}")
-        for row in rows:
-            typer.echo("\t".join(("preset", *row)))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
-                         caption_justify="left")
-    notes = any(row[-1] for row in local)
-    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
-        models_table.add_column(column, overflow="fold")
-    for name, default, *rest in local:
-        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
-    if not local:
-        models_table.add_row("(none found)", "", "", "")
-    console.print(models_table)
-    console.print(f"[bold]Architectures:[/bold] {architectures}")
-    table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
-                  title_justify="left")
-    for column in ("preset", "architecture"):
-        table.add_column(column)
-    for column in ("layers", "hidden", "context"):
-        table.add_column(column, justify="right")
-    table.add_column("repo")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-_SOURCES = {"package": "PyPI package", "lmcli": "lmcli models dir", "hf": "HF hub cache"}
+    print_models(terminal=sys.stdout.isatty())
 
 
 @app.command()
@@ -727,78 +673,22 @@ def pull(
 
 @app.command()
 def info(
-    checkpoint: Annotated[
-        Path | None,
-        typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
-    ] = None,
+    path: Annotated[Path | None, typer.Argument(
+        metavar="[CHECKPOINT]", exists=True, show_default=False,
+        help="The checkpoint, as -c gives it (default: the embedded model).")] = None,
+    checkpoint: CheckpointOption = None,
     model: ModelOption = None,
-    tokenizer_path: TokenizerOption = None,
+    tokenizer: TokenizerOption = None,
     quantize: QuantizeOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
-    from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count, size_on_disk
-    from lmcli.default_model import describe_weights
+    from lmcli.console import checkpoint_facts, print_facts
 
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path,
-                              quantize=quantize)
-    config = loaded.config
-    parameters = loaded.num_parameters()
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    window = config.sliding_window
-    facts = [
-        ("checkpoint", str(checkpoint)),
-        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
-        ("parameters", f"{human_count(parameters)} ({parameters:,})"),
-        ("dtype", dtype),
-        ("weights", describe_weights(loaded)),
-        ("context length", f"{config.max_position_embeddings:,} tokens"),
-        ("sliding window", f"{window:,} tokens" if window else "none"),
-        ("layers", str(config.num_hidden_layers)),
-        ("hidden size", str(config.hidden_size)),
-        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
-        ("vocabulary", f"{config.vocab_size:,}"),
-        ("tokenizer", describe_tokenizer(tokenizer)),
-        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
-    ]
-    facts += _decoding_facts(checkpoint, model)
-    if checkpoint is None and model is not None:
-        from lmcli.model_names import resolve
-
-        checkpoint = Path(resolve(model)[0])
-        facts[0] = ("checkpoint", f"{checkpoint} (found for --model {model})")
-    elif checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = Path(default_checkpoint_path())
-        facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
-    if checkpoint.suffix == ".gguf":
-        facts.insert(4, ("quantization", describe_gguf_storage(checkpoint)))
-    facts.append(("file size", human_bytes(size_on_disk(checkpoint))))
-    facts.extend(_quantization_facts(checkpoint, loaded))
-    if not sys.stdout.isatty():
-        for key, value in facts:
-            typer.echo(f"{key}: {value}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")  # long paths wrap rather than end in "…"
-    for key, value in facts:
-        table.add_row(key, value)
-    Console().print(table)
-
-
-def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
-    """The kernels chosen for the quantized weights and why, and what the cache holds."""
-    from lmcli.default_model import describe_cache
-
-    facts = []
-    for kind, choice in getattr(loaded, "kernel_choices", {}).items():
-        facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
-    facts.append(("cache", describe_cache(checkpoint)))
-    return facts
+    if path is not None and checkpoint is not None and path != checkpoint:
+        raise UsageError(f"info {path} -c {checkpoint}: give the checkpoint once")
+    resolved = _resolve(checkpoint or path, model, tokenizer)
+    loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
+    print_facts(checkpoint_facts(resolved, loaded, text_tokenizer), terminal=sys.stdout.isatty())
 
 
 @app.command()
@@ -822,14 +712,6 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
-
-
-def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[str, str]]:
-    """What `generate` would use with no decoding flags, and where each value comes from."""
-    from lmcli.settings import GenerationSettings, read_model_defaults
-
-    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint, model))
-    return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 
 _BENCH_PANEL = "What to measure"

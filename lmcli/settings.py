@@ -360,16 +360,10 @@ _GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": 
               "general.sampling.penalty_repeat": "repetition_penalty"}
 
 
-def read_model_defaults(checkpoint: str | Path | None, model_name: str | None = None) -> ModelDefaults:
+def read_model_defaults(checkpoint: str | Path) -> ModelDefaults:
     """The sampling defaults a checkpoint ships: generation_config.json beside an HF directory or a
-    .safetensors file, or a .gguf file's general.sampling.* keys; None is the embedded default model.
-    A model given only by name (no checkpoint) has none read here: its files are found at load."""
-    if checkpoint is None and model_name is not None:
-        return ModelDefaults()
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = default_checkpoint_path()
+    .safetensors file, or a .gguf file's general.sampling.* keys. Commands read them through their
+    ResolvedModel (lmcli.model_ref), so a model found by name has its defaults as one given by path."""
     path = Path(checkpoint)
     if path.suffix == ".gguf" and path.is_file():
         return _gguf_defaults(path)
