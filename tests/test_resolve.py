@@ -29,7 +29,7 @@ def cli(*args, input=None):
 
 
 @pytest.fixture
-def snapshot(tiny_checkpoint, tmp_path, monkeypatch) -> Path:  # noqa: F811 (fixture)
+def snapshot(tiny_checkpoint, tmp_path, monkeypatch) -> Path:
     """The tiny checkpoint, with WRITTEN in its generation_config.json, as the hub snapshot of REPO_ID."""
     source = tmp_path / "source"
     shutil.copytree(tiny_checkpoint, source)
