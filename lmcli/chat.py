@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# NOT_SETTABLE and ChatError are re-exported: callers (and tests) find the chat's names here.
+from lmcli.chat_session import NOT_SETTABLE as NOT_SETTABLE
 from lmcli.chat_session import ChatError, ChatSession, Turn, load_transcript, resumed_settings, settable_names
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
 from lmcli.errors import LmcliError

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from lmcli.errors import CheckpointError, ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from lmcli.settings import ModelDefaults
+    from lmcli.model_defaults import ModelDefaults
 
 KINDS = ("hf", "safetensors", "gguf")  # an HF directory, a lone .safetensors file, a .gguf file
 
@@ -58,7 +58,7 @@ class ResolvedModel:
     @functools.cached_property
     def defaults(self) -> ModelDefaults:
         """The sampling defaults the model ships (generation_config.json, or a GGUF's general.sampling.*)."""
-        from lmcli.settings import read_model_defaults
+        from lmcli.model_defaults import read_model_defaults
 
         return read_model_defaults(self.path)
 
