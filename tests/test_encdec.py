@@ -221,7 +221,7 @@ def test_config_errors_name_the_field(pair, tmp_path):
     import json
     import shutil
 
-    name, _, _, directory = pair
+    _, _, _, directory = pair
     config = json.loads((directory / "config.json").read_text())
     broken = tmp_path / "broken"
     shutil.copytree(directory, broken)
