@@ -532,7 +532,9 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
     else:
         output = TerminalOutput() if terminal else PlainOutput()
         # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
-        output.prompt(prompt + "\n" if settings.chat else prompt)
+        # An encoder-decoder's output (a translation, a summary) does not continue its input either.
+        apart = settings.chat or getattr(model.config, "is_encoder_decoder", False)
+        output.prompt(prompt + "\n" if apart else prompt)
 
         def on_text(result, piece: str) -> None:
             if shading is not None and isinstance(output, TerminalOutput):
@@ -760,6 +762,7 @@ def info(
         ("tokenizer", describe_tokenizer(tokenizer)),
         ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
     ]
+    facts[7:7] = config.stack_facts() if hasattr(config, "stack_facts") else []  # encoder-decoders
     facts += _decoding_facts(checkpoint, model)
     if checkpoint is None and model is not None:
         from lmcli.model_names import resolve
