@@ -172,7 +172,7 @@ def test_encoder_and_cross_attention_run_once_per_call(pair, monkeypatch):
     monkeypatch.setattr(model, "encode", counted("encode", encode))
     monkeypatch.setattr(model, "cross_keys_values", counted("cross", cross))
     ids, mask = inputs([5, 3], seed=8)
-    events = []
+    events: list = []
     model.generate(ids, 6, False, attention_mask=mask, on_token=events.append)
     assert calls == {"encode": 1, "cross": 1} and len(events) == 6
 

@@ -68,7 +68,7 @@ def _reference_text(directory, prompt: str, new_tokens: int) -> tuple[list[int],
 
 def test_generate_prints_transformers_decoded_text(t5_dir):
     prompt = "translate English to German: the house is wonderful"
-    ids, expected = _reference_text(t5_dir, prompt, 12)
+    _, expected = _reference_text(t5_dir, prompt, 12)
     result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "--greedy", "-n", "12", "--format", "jsonl",
                                       prompt])
     assert result.exit_code == 0, result.output
