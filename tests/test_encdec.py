@@ -28,7 +28,7 @@ def _t5(tied: bool, **sizes):
 FAMILIES = {
     "t5": lambda: _t5(True, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4, feed_forward_proj="relu",
                       relative_attention_num_buckets=8, relative_attention_max_distance=12),
-    "flan-t5": lambda: _t5(False, d_model=24, d_kv=4, d_ff=40, num_layers=3, num_heads=3,
+    "flan-t5": lambda: _t5(False, d_model=32, d_kv=4, d_ff=64, num_layers=3, num_heads=3,
                            feed_forward_proj="gated-gelu", relative_attention_num_buckets=16),
     "bart": lambda: transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=1, encoder_attention_heads=4,
@@ -253,3 +253,31 @@ def test_mismatched_sizes_are_one_line_errors(pair, tmp_path):
         (tmp_path / "vocab" / "config.json").write_text(json.dumps(config))
         with pytest.raises(ConfigError, match="decoder_vocab_size"):
             load(tmp_path / "vocab", device="cpu")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_linear_layers_equal_transformers_on_dequantised_weights(pair, bits):
+    """--quantize int4|int8: every linear layer (and the shared embedding) whose rows split into
+    groups is stored quantized; the reference is transformers with those weights dequantised."""
+    from lmcli.models.linear import GROUP, GroupQuantized
+
+    name, _, _, directory = pair
+    model, _ = load(directory, device="cpu", dtype="float32", quantize=f"int{bits}")
+    reference = type(pair[2]).from_pretrained(directory).eval()
+    with torch.no_grad():
+        for module in reference.modules():
+            weight = getattr(module, "weight", None)
+            # the linear layers and the token embedding (not the position tables or T5's relative biases)
+            quantizable = isinstance(module, torch.nn.Linear) or (
+                isinstance(module, torch.nn.Embedding) and weight is not None and weight.shape[0] == VOCAB)
+            if quantizable and weight is not None and weight.shape[1] % GROUP == 0:
+                weight.copy_(GroupQuantized.quantize(weight.detach().clone(), bits).dequantise(torch.float32))
+    formats = model.weight_formats()
+    quantized = sum(n for kind, n in formats.items() if kind not in ("float32", "bfloat16", "float16"))
+    assert quantized > 0 or name == "marian"  # d_model 16: no whole groups of 32
+    ids, mask = inputs([6, 3], seed=12)
+    decoder_ids = torch.tensor([[reference.config.decoder_start_token_id, 7, 8, 9]] * 2)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
+    torch.testing.assert_close(model(ids, mask, decoder_ids), expected, atol=2e-3, rtol=2e-3)
+    assert model.generate(ids, 4, False, attention_mask=mask).shape == (2, 5)
