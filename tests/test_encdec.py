@@ -280,4 +280,5 @@ def test_quantized_linear_layers_equal_transformers_on_dequantised_weights(pair,
     with torch.no_grad():
         expected = reference(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids).logits
     torch.testing.assert_close(model(ids, mask, decoder_ids), expected, atol=2e-3, rtol=2e-3)
-    assert model.generate(ids, 4, False, attention_mask=mask).shape == (2, 5)
+    generated = model.generate(ids, 4, False, attention_mask=mask)
+    assert generated is not None and generated.shape == (2, 5)

@@ -17,7 +17,8 @@ from lmcli.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from lmcli.models.encoder_decoder import EncoderDecoderConfig, EncoderDecoderModel
+    from lmcli.models.encoder_decoder import EncoderDecoderModel
+    from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 
 HF_MODEL_TYPES = ("bart",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
@@ -26,7 +27,7 @@ FLAGSHIP_PRESETS: dict[str, str] = {}
 
 def bart_like_fields(hf: dict[str, Any], default_activation: str) -> dict[str, Any]:
     """The fields BART and Marian read alike from their config.json."""
-    from lmcli.models.encoder_decoder import head_size
+    from lmcli.models.encoder_decoder_config import head_size
 
     if hf.get("normalize_before"):
         raise ConfigError("config.json: normalize_before (norms before each sublayer, as in mBART) is not supported")
@@ -51,7 +52,7 @@ def bart_like_fields(hf: dict[str, Any], default_activation: str) -> dict[str, A
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> EncoderDecoderConfig:
-    from lmcli.models.encoder_decoder import make_config
+    from lmcli.models.encoder_decoder_config import make_config
 
     fields = dict(model_type="bart", architecture="bart", position_embedding="learned", position_offset=2,
                   embedding_norm=True, **bart_like_fields(hf, "gelu"))

@@ -14,7 +14,7 @@ from lmcli.errors import ConfigError
 from lmcli.models.bart import bart_like_fields, build_model, convert_checkpoint
 
 if TYPE_CHECKING:
-    from lmcli.models.encoder_decoder import EncoderDecoderConfig
+    from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 
 HF_MODEL_TYPES = ("marian",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
@@ -23,7 +23,7 @@ __all__ = ["build_model", "config_from_hf", "convert_checkpoint"]
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> EncoderDecoderConfig:
-    from lmcli.models.encoder_decoder import make_config
+    from lmcli.models.encoder_decoder_config import make_config
 
     fields = bart_like_fields(hf, "swish")
     decoder_vocab = hf.get("decoder_vocab_size")

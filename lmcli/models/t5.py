@@ -16,7 +16,8 @@ from lmcli.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from lmcli.models.encoder_decoder import EncoderDecoderConfig, EncoderDecoderModel
+    from lmcli.models.encoder_decoder import EncoderDecoderModel
+    from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 
 HF_MODEL_TYPES = ("t5",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
@@ -24,7 +25,7 @@ FLAGSHIP_PRESETS: dict[str, str] = {}
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> EncoderDecoderConfig:
-    from lmcli.models.encoder_decoder import make_config
+    from lmcli.models.encoder_decoder_config import make_config
 
     d_model, d_kv, d_ff = (int(require(hf, name)) for name in ("d_model", "d_kv", "d_ff"))
     layers, heads = int(require(hf, "num_layers")), int(require(hf, "num_heads"))
