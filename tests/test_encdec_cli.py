@@ -91,3 +91,18 @@ def test_chat_without_a_template_is_the_usual_error(t5_dir):
     assert result.returncode != 0
     lines = result.stderr.decode().strip().splitlines()
     assert len(lines) == 1 and "chat template" in lines[0], lines
+
+
+def test_a_job_of_openai_completion_rows_gives_transformers_text(t5_dir, tmp_path):
+    """Rows of different lengths, batched together (the encoder input padded), each as transformers alone."""
+    prompts = ["summarize: a cat sat on the mat and slept", "the quick brown fox", "ein kleines Haus am See"]
+    rows = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": prompt, "temperature": 0, "max_tokens": 10}} for i, prompt in enumerate(prompts)]
+    source, out = tmp_path / "requests.jsonl", tmp_path / "responses.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "--input", str(source), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    answers = {row["custom_id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    for i, prompt in enumerate(prompts):
+        _, expected = _reference_text(t5_dir, prompt, 10)
+        assert answers[f"r{i}"]["response"]["body"]["choices"][0]["text"] == expected
