@@ -80,10 +80,13 @@ def inputs(lengths, seed, left=False):
     return ids, mask
 
 
-def hf_generate(reference, ids, mask, n, eos=None, pad=None):
+def hf_generate(reference, ids, mask, n, eos=None, pad=None, bad_words=None):
+    # The model's own generation config, changed in place: a separate one would be merged with the
+    # model's defaults (forced_eos_token_id, ...) wherever it says None.
     config = reference.generation_config
-    for key in ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "no_repeat_ngram_size"):
+    for key in ("forced_bos_token_id", "forced_eos_token_id", "no_repeat_ngram_size"):
         setattr(config, key, None)
+    config.bad_words_ids = bad_words
     config.eos_token_id, config.pad_token_id = eos, pad if pad is not None else reference.config.pad_token_id
     with torch.no_grad():
         return reference.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=0,
@@ -282,3 +285,22 @@ def test_quantized_linear_layers_equal_transformers_on_dequantised_weights(pair,
     torch.testing.assert_close(model(ids, mask, decoder_ids), expected, atol=2e-3, rtol=2e-3)
     generated = model.generate(ids, 4, False, attention_mask=mask)
     assert generated is not None and generated.shape == (2, 5)
+
+
+def test_bad_words_ids_of_one_token_are_never_generated(pair, tmp_path):
+    """opus-mt's config.json bans its pad token this way; transformers' generate applies it."""
+    import json
+    import shutil
+
+    _, model, reference, directory = pair
+    ids, mask = inputs([6, 4], seed=13)
+    banned = int(model.generate(ids, 6, False, attention_mask=mask)[0, 1])  # a token it would produce
+    shutil.copytree(directory, tmp_path / "banned")
+    config = json.loads((directory / "config.json").read_text())
+    config["bad_words_ids"] = [[banned], [banned, 3]]  # the pair is not applied (nor checked here)
+    (tmp_path / "banned" / "config.json").write_text(json.dumps(config))
+    banning, _ = load(tmp_path / "banned", device="cpu", dtype="float32")
+    got = banning.generate(ids, 6, False, attention_mask=mask)
+    assert got is not None and banned not in got[:, 1:].flatten().tolist()
+    expected = hf_generate(reference, ids, mask, 6, bad_words=[[banned]])
+    assert got.tolist() == expected.tolist()

@@ -6,7 +6,7 @@ families differ by. Light (no torch of its own), like lmcli.config, so the famil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from lmcli.config import _COUNT, _SIZE, _TOKENS, ModelConfig, _check_fields, _Field, token_and_source_fields
@@ -34,6 +34,8 @@ class EncoderDecoderConfig(ModelConfig):
     stack_final_norm: bool = False  # T5: a norm after each stack's last block
     decoder_output_scale: float = 1.0  # T5 with a tied head: d_model ** -0.5 before the head
     final_logits_bias: bool = False  # BART/Marian: a stored bias added to the logits
+    # config.json's single-token bad_words_ids (opus-mt: its pad token), never generated, as transformers' generate does
+    suppressed_token_ids: list[int] = field(default_factory=list)
 
     @property
     def decoder_position_limit(self) -> int | None:
@@ -91,7 +93,19 @@ def make_config(hf: dict[str, Any], **fields: Any) -> EncoderDecoderConfig:
     if start >= fields["vocab_size"]:
         raise ConfigError(f"config.json: decoder_start_token_id {start} is outside the vocabulary "
                           f"({fields['vocab_size']} tokens)")
-    return EncoderDecoderConfig(decoder_start_token_id=start, **fields, **token_and_source_fields(hf))
+    return EncoderDecoderConfig(decoder_start_token_id=start, suppressed_token_ids=_suppressed(hf, fields["vocab_size"]),
+                                **fields, **token_and_source_fields(hf))
+
+
+def _suppressed(hf: dict[str, Any], vocab_size: int) -> list[int]:
+    """The single-token entries of bad_words_ids (longer sequences are not applied)."""
+    bad = hf.get("bad_words_ids")
+    if bad is None:
+        return []
+    if not (isinstance(bad, list) and all(isinstance(words, list) for words in bad)
+            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for w in bad for i in w)):
+        raise ConfigError(f"config.json: field 'bad_words_ids' must be a list of lists of token ids below {vocab_size}")
+    return sorted({words[0] for words in bad if len(words) == 1})
 
 
 def head_size(hidden: int, heads: int, name: str) -> int:

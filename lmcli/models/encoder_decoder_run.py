@@ -111,6 +111,11 @@ class DecoderRun:
         """The loop's step: logits for decoder tokens [B, T] at `query_slots` [T]. (`slot_is_token` is
         all True: decoder rows are never padded.)"""
         if cache is None:
-            return self.model.decode(input_ids, positions, query_slots, self.cross, self.encoder_mask, None, last_only)
-        mask = cache.encoder_mask if cache.encoder_mask is not None else self.encoder_mask
-        return self.model.decode(input_ids, positions, query_slots, cache.cross, mask, cache.layers, last_only)
+            logits = self.model.decode(input_ids, positions, query_slots, self.cross, self.encoder_mask, None, last_only)
+        else:
+            mask = cache.encoder_mask if cache.encoder_mask is not None else self.encoder_mask
+            logits = self.model.decode(input_ids, positions, query_slots, cache.cross, mask, cache.layers, last_only)
+        suppressed = self.model.config.suppressed_token_ids
+        if suppressed:
+            logits[..., suppressed] = float("-inf")
+        return logits
