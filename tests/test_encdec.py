@@ -304,3 +304,17 @@ def test_bad_words_ids_of_one_token_are_never_generated(pair, tmp_path):
     assert got is not None and banned not in got[:, 1:].flatten().tolist()
     expected = hf_generate(reference, ids, mask, 6, bad_words=[[banned]])
     assert got.tolist() == expected.tolist()
+
+
+def test_init_cache_and_traverse_cache_cover_self_and_cross_attention(pair):
+    _, model, _, _ = pair
+    ids, mask = inputs([5, 3], seed=14)
+    states = model.encode(ids, mask.bool())
+    cache = model.init_cache(2, 8, states, mask.bool())
+    config = model.config
+    assert len(cache.layers) == len(cache.cross) == config.num_hidden_layers
+    assert cache.cross[0][0].shape == (2, config.num_attention_heads, ids.shape[1], config.head_dim)
+    before = cache.nbytes()
+    model.traverse_cache(cache, lambda t: t[:1])  # keep the first row, everywhere
+    assert cache.layers[0].keys.shape[0] == cache.cross[-1][1].shape[0] == cache.encoder_mask.shape[0] == 1
+    assert cache.nbytes() * 2 == before
