@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmcli.generation.loop import positions_from_mask
 from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
-from lmcli.models.layers import MLP, make_norm, positions_from_mask
+from lmcli.models.layers import MLP, make_norm
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -325,8 +326,7 @@ class EncoderDecoderModel(nn.Module):
         run = DecoderRun(self, self.encode(x.to(self.device), mask.to(self.device)), mask.to(self.device))
         max_new_tokens = run.fit_to_positions(max_new_tokens)
         start = self.decoder_start(x.shape[0], self.device)
-        # The loop asks only for what a DecoderRun has: forward_slots, init_cache, device, config.
-        return generate(cast(Any, run), start, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
+        return generate(run, start, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
                         None, eos_token_id, pad_token_id, **kwargs)
 
     @property

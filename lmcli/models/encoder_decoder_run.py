@@ -1,16 +1,15 @@
 """One generate() call of an encoder-decoder: its cache and the decoder the generation loop steps.
 
-The shared loop (lmcli.generation.loop) drives a decoder through `forward_slots`, `init_cache`,
-`device` and `config.max_position_embeddings`. `DecoderRun` offers exactly those for a decoder
-bound to one call's encoder output, so the loop's rules (seeds, processors, EOS, hooks) apply
-unchanged. Its decoder rows are never padded: each starts with decoder_start_token_id.
+The shared loop (lmcli.generation.loop) drives any `SlotModel` (`forward_slots`, `init_cache`,
+`device`, `config`). `DecoderRun` is one: a decoder bound to one call's encoder output, so the
+loop's rules (seeds, processors, EOS, hooks) apply unchanged. Its decoder rows are never padded: each starts with decoder_start_token_id.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -71,11 +70,6 @@ class EncoderDecoderCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-@dataclass
-class _Limits:
-    max_position_embeddings: int  # what the loop reads: here, the decoder's own limit
-
-
 NO_LIMIT = (1 << 31) - 1  # T5's relative positions
 
 
@@ -88,7 +82,8 @@ class DecoderRun:
         self.cross = model.cross_keys_values(encoder_states)
         self.encoder_mask = encoder_mask  # (B, S) bool
         self.limit: int | None = model.config.decoder_position_limit
-        self.config = _Limits(self.limit or NO_LIMIT)
+        # What the loop reads of a config: max_position_embeddings, here the decoder's own limit.
+        self.config = dataclasses.replace(model.config, max_position_embeddings=self.limit or NO_LIMIT)
 
     def fit_to_positions(self, max_new_tokens: Any) -> Any:
         """max_new_tokens, lowered (with a one-line warning) so that the start token and the new
