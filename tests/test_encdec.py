@@ -318,3 +318,16 @@ def test_init_cache_and_traverse_cache_cover_self_and_cross_attention(pair):
     model.traverse_cache(cache, lambda t: t[:1])  # keep the first row, everywhere
     assert cache.layers[0].keys.shape[0] == cache.cross[-1][1].shape[0] == cache.encoder_mask.shape[0] == 1
     assert cache.nbytes() * 2 == before
+
+
+@pytest.mark.parametrize("preset", ["flan-t5-small", "bart-base", "opus-mt-en-de"])
+def test_presets_build_their_configs(preset):
+    """`-m t5|bart|marian` (a lone .safetensors file) stands for these published configs."""
+    from lmcli import registry
+
+    hf = registry.preset_config(preset)
+    config = registry.config_from_hf(hf)
+    assert config.is_encoder_decoder and config.decoder_start_token_id == hf["decoder_start_token_id"]
+    assert config.hidden_size == hf["d_model"] and config.vocab_size == hf["vocab_size"]
+    if preset == "opus-mt-en-de":
+        assert config.suppressed_token_ids == [58100] and config.embed_scale == 512**0.5

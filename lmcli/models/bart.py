@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 HF_MODEL_TYPES = ("bart",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
-FLAGSHIP_PRESETS: dict[str, str] = {}
+FLAGSHIP_PRESETS = {"bart": "bart-base"}
 
 
 def bart_like_fields(hf: dict[str, Any], default_activation: str) -> dict[str, Any]:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 HF_MODEL_TYPES = ("marian",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
-FLAGSHIP_PRESETS: dict[str, str] = {}
+FLAGSHIP_PRESETS = {"marian": "opus-mt-en-de"}
 __all__ = ["build_model", "config_from_hf", "convert_checkpoint"]
 
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 HF_MODEL_TYPES = ("t5",)
 GGUF_ARCHITECTURES: tuple[str, ...] = ()
-FLAGSHIP_PRESETS: dict[str, str] = {}
+FLAGSHIP_PRESETS = {"t5": "flan-t5-small"}
 
 
 def config_from_hf(hf: dict[str, Any], **overrides: Any) -> EncoderDecoderConfig:
