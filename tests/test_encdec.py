@@ -324,10 +324,12 @@ def test_init_cache_and_traverse_cache_cover_self_and_cross_attention(pair):
 def test_presets_build_their_configs(preset):
     """`-m t5|bart|marian` (a lone .safetensors file) stands for these published configs."""
     from lmcli import registry
+    from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 
     hf = registry.preset_config(preset)
+    assert hf is not None
     config = registry.config_from_hf(hf)
-    assert config.is_encoder_decoder and config.decoder_start_token_id == hf["decoder_start_token_id"]
+    assert isinstance(config, EncoderDecoderConfig) and config.is_encoder_decoder and config.decoder_start_token_id == hf["decoder_start_token_id"]
     assert config.hidden_size == hf["d_model"] and config.vocab_size == hf["vocab_size"]
     if preset == "opus-mt-en-de":
         assert config.suppressed_token_ids == [58100] and config.embed_scale == 512**0.5
