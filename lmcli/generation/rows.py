@@ -6,7 +6,6 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -150,6 +149,7 @@ def generate_batch(
     """
     import torch
 
+    from lmcli.generation.sampling import SamplingSettings
     from lmcli.streaming import RowText
 
     settings = rows[0].settings
@@ -172,7 +172,7 @@ def generate_batch(
     # An encoder-decoder's prompt is its encoder's input: the text the processors see, and the one
     # the new tokens continue, is the decoder's (its start token, then what it generates).
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
-    do_sample, processors = dataclasses.replace(settings.sampling, logit_bias=bias).policy(
+    do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
         prompt_length=1 if encoder_decoder else width,
         pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
