@@ -255,6 +255,7 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
         ("weights", describe_weights(model)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
         ("sliding window", f"{window:,} tokens" if window else "none"),
+        *(config.stack_facts() if hasattr(config, "stack_facts") else []),  # an encoder-decoder's two stacks
         ("layers", str(config.num_hidden_layers)),
         ("hidden size", str(config.hidden_size)),
         ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),

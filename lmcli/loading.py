@@ -166,6 +166,8 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         files = safetensors_files(path) if resolved.kind == "hf" else [path]
         config = registry.config_from_hf(hf_config, model, source=resolved.config_source)
         target_dtype = torch.float32 if quantized_load else resolve_dtype(dtype, device, config.torch_dtype)
+        if tp is not None and getattr(config, "is_encoder_decoder", False):
+            raise UsageError(f"--tp {tp}: tensor parallel does not support encoder-decoder models ({config.model_type})")
         if tp is not None:
             from lmcli import distributed
 
@@ -192,7 +194,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
     try:
         with _uninitialised_parameters():
-            built = BaseModel(config) if parallel is None else parallel.build_model()
+            if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
+                built = module.build_model(config)
+            else:
+                built = BaseModel(config) if parallel is None else parallel.build_model()
     except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
     if quantized_load:

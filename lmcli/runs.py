@@ -83,7 +83,9 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
     else:
         output = TerminalOutput() if terminal else PlainOutput()
         # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
-        output.prompt(prompt + "\n" if settings.chat else prompt)
+        # An encoder-decoder's output (a translation, a summary) does not continue its input either.
+        apart = settings.chat or getattr(model.config, "is_encoder_decoder", False)
+        output.prompt(prompt + "\n" if apart else prompt)
 
         def on_text(result, piece: str) -> None:
             if shading is not None and isinstance(output, TerminalOutput):
