@@ -88,11 +88,13 @@ def _seconds(fn: Callable[[], Any]) -> float:
 def _converted_for_transformers(path: Path, dtype: torch.dtype) -> str | None:
     """An HF directory with the GGUF's dequantised weights (kept under the lmcli cache), which transformers
     loads in seconds rather than parsing the GGUF itself for a minute; None if it cannot be written."""
-    from lmcli.default_model import cache_dir, gguf_fingerprint
+    from lmcli.default_model import cache_dir
+    from lmcli.fingerprint import checkpoint_fingerprint
     from lmcli.io.atomic import replace_directory
     from lmcli.io.gguf import convert_gguf
 
-    target = cache_dir() / "bench" / f"{path.stem}-{gguf_fingerprint(path)}-{str(dtype).removeprefix('torch.')}"
+    fingerprint = checkpoint_fingerprint(path).removeprefix("sha256:")
+    target = cache_dir() / "bench" / f"{path.stem}-{fingerprint}-{str(dtype).removeprefix('torch.')}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return str(target)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=_made(target.parent)))
@@ -153,12 +155,12 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
 
     chosen = configure()  # before torch loads here; the workers inherit its environment
     from lmcli.loading import resolve_device, resolve_dtype
+    from lmcli.model_ref import resolve_model
 
-    if settings.checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        settings.checkpoint = str(default_checkpoint_path())
-    path = Path(settings.checkpoint).expanduser().resolve()
+    # Resolved once here; each engine's process is handed the path (and the name its config must match).
+    resolved = resolve_model(settings.checkpoint, settings.model)
+    settings.checkpoint, settings.model = str(resolved.path), resolved.check_as
+    path = resolved.path.resolve()
     threads = settings.threads or chosen.threads
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)

@@ -30,7 +30,9 @@ def load_tokenizer(directory: Path) -> Tokenizer | None:
     directory = Path(directory)
     json_file, spm_file = directory / "tokenizer.json", directory / "tokenizer.model"
     if not json_file.is_file() and not spm_file.is_file():
-        return None
+        from lmcli.io.tokenizer.spm import load_spm_tokenizer  # T5's spiece.model, Marian's source.spm
+
+        return load_spm_tokenizer(directory, _read_json(directory / "tokenizer_config.json"))
     config = _read_json(directory / "tokenizer_config.json")
     class_name = str(config.get("tokenizer_class") or "").removesuffix("Fast")
     # Llama's class rebuilds the text handling; only these flags decide it (the reference's defaults).
