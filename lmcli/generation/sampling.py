@@ -87,9 +87,15 @@ def _require_number(setting: str, value: Any, ok: Callable[[float], bool], requi
     return float(value)
 
 
+# Below this, logits / temperature can overflow float32 (1e-30 keeps logits up to 3.4e8 finite) and the
+# draw would index past the vocabulary; such a temperature samples as greedy decoding does anyway.
+MIN_TEMPERATURE = 1e-30
+
+
 def check_temperature(value: Any) -> float:
     """Sampling temperature as generate() takes it (greedy is do_sample=False)."""
-    return _require_number("temperature", value, lambda v: v > 0, "must be > 0 (use do_sample=False for greedy)")
+    return _require_number("temperature", value, lambda v: v >= MIN_TEMPERATURE,
+                           f"must be at least {MIN_TEMPERATURE:g} (use do_sample=False for greedy)")
 
 
 def check_top_k(value: Any) -> int:
@@ -422,7 +428,9 @@ class SamplingSettings(DecodingFields):
         """Raise SamplingError for the first setting that breaks its rule. (Top-k with top-p is allowed
         here, applied in that order as transformers does; generate()'s own arguments refuse the pair.)"""
         if not self.greedy:
-            _require_number("temperature", self.temperature, lambda v: v >= 0, "must be >= 0 (0 means greedy)")
+            _require_number("temperature", self.temperature, lambda v: v == 0 or v >= MIN_TEMPERATURE,
+                            "must be >= 0 (0 means greedy)" if _is_number(self.temperature) and self.temperature < 0 else
+                            f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         else:
             for name in WARPERS:
                 if getattr(self, name) is not None:
