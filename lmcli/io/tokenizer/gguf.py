@@ -171,6 +171,8 @@ def _gemma_backend(tokens: list[str]) -> Backend:
     respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: index for index, token in enumerate(respelled)}
     ranks = {token: -index for index, token in enumerate(respelled)}
+    if "<unk>" not in vocab:  # the model falls back on it for any text it cannot spell
+        raise _BadMetadata("metadata 'tokenizer.ggml.tokens' has no '<unk>', which a Gemma vocabulary needs")
     backend = _bpe_backend(vocab=vocab, merges=implied_merges(vocab, ranks), fuse_unk=True, unk_token="<unk>",
                            byte_fallback=True, dropout=None)
     backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
