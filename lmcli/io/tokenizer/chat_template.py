@@ -3,9 +3,10 @@
 Templates come with checkpoints, so they run in jinja2's ImmutableSandboxedEnvironment: no attribute
 access to Python internals, no mutation of the values passed in. A template is also code from a
 stranger that could ask for `'a' * 10**10`, so its resources are bounded (`render_bounded`):
-- every string or list it builds (`*`, `+`, `~`, `%`, `.format`, padding/replacing methods and filters)
-  holds at most MAX_ITEMS characters or items, checked before it is built;
-- `**` has a bounded result, and range() is bounded by jinja2's sandbox (MAX_RANGE);
+- every string or list it builds holds at most MAX_ITEMS characters or items, measured before it is
+  built (template_limits.py): operators, `.format`, str methods, filters, the text `{{ ... }}` shows,
+  and the buffers that blocks and macros collect;
+- `*` and `**` of integers have bounded results, and range() is bounded by jinja2's sandbox (MAX_RANGE);
 - the output holds at most MAX_OUTPUT characters, and rendering stops after MAX_SECONDS.
 """
 
