@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmcli.config import is_number as _is_number
 from lmcli.errors import LmcliError, UsageError
 from lmcli.generation.decoding_fields import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
 from lmcli.generation.decoding_fields import WARPERS, DecodingFields
@@ -308,10 +309,6 @@ def _check_truncation_layer(values: Mapping[str, Any], name: Callable[[str], str
     """One layer (the flags, or a row) may not set both top-k and top-p; a model's defaults may."""
     if values.get("top_k") is not None and values.get("top_p") is not None:
         raise error(f"{name('top_k')} and {name('top_p')} cannot be used together; pick one")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _row_int(row: dict, name: str) -> int:

@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lmcli.config import is_number as _is_number
 from lmcli.generation.decoding_fields import WARPERS, DecodingFields
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,10 +64,6 @@ class SamplingError(ValueError):
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _require_int(setting: str, value: Any, lowest: int) -> int:

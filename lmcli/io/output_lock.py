@@ -62,14 +62,14 @@ def output_lock(output: Path) -> Iterator[None]:
 
 
 def holding_output_lock(job: Job) -> Job:
-    """`job(input_path, output_path, ...)` run under the lock of output_path (when there is one)."""
+    """`job(input_path, output, ...)` run under the lock of `output` when that is a file's path."""
 
     @functools.wraps(job)
-    def locked(input_path: Any, output_path: Path | None, *args: Any, **kwargs: Any) -> Any:
-        if output_path is None or (Path(output_path).exists() and not Path(output_path).is_file()):
-            return job(input_path, output_path, *args, **kwargs)  # stdout, a pipe or a device: nothing to share
-        with output_lock(Path(output_path)):
-            return job(input_path, output_path, *args, **kwargs)
+    def locked(input_path: Any, output: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(output, (str, Path)) or (Path(output).exists() and not Path(output).is_file()):
+            return job(input_path, output, *args, **kwargs)  # stdout, a pipe, a device, or a rank's own output
+        with output_lock(Path(output)):
+            return job(input_path, output, *args, **kwargs)
 
     return locked  # type: ignore[return-value]
 
