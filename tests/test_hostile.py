@@ -847,6 +847,7 @@ def test_a_second_writer_is_refused_and_told_which_process_holds_the_output(tiny
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2]
 
 
+@pytest.mark.full  # two model loads at once: ~25 s on the shared machine
 def test_two_jobs_resuming_one_output_at_once_write_each_row_once(tiny_checkpoint, tmp_path):
     source = tmp_path / "in.txt"
     source.write_text("".join(f"prompt {i}\n" for i in range(6)))
