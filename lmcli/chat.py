@@ -133,8 +133,7 @@ class ChatSession:
         if field_name not in fields:
             raise ChatError(f"unknown setting '{name}' (one of: {', '.join(fields)})")
         parsed = _parse_setting(field_name, str(fields[field_name].type), value)
-        settings = dataclasses.replace(self.settings, **{field_name: parsed})
-        settings.check(lambda n: n, ChatError)
+        settings = self.settings.changed(lambda n: n, ChatError, **{field_name: parsed})
         self._check_room(settings, "max_new_tokens", ChatError)
         self.settings = settings
         return settings
@@ -296,19 +295,7 @@ def load_transcript(path: Path) -> dict:
 
 def resumed_settings(saved: dict, flags: GenerationSettings, explicit: set[str], path: Path) -> GenerationSettings:
     """The saved settings, except those given on the command line this time."""
-    known = set(settable_names())
-    unknown = sorted(set(saved) - known)
-    if unknown:
-        raise ChatError(f"{path}: unknown setting '{unknown[0]}' in \"settings\"")
-    values = {name: value for name, value in saved.items() if name not in explicit}
-    if isinstance(values.get("stop"), list):
-        values["stop"] = tuple(values["stop"])
-    try:
-        settings = dataclasses.replace(flags, **values)
-    except TypeError as e:
-        raise ChatError(f"{path}: bad \"settings\" ({e})") from None
-    settings.check(lambda n: f'"{n}" in {path}', ChatError)
-    return settings
+    return flags.resumed(saved, settable_names(), explicit, str(path), ChatError)
 
 
 def _parse_bool(value: str, name: str) -> bool:
