@@ -271,10 +271,10 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 
 def load_transcript(path: Path) -> dict:
     """A transcript written by /save; raises ChatError naming the file and what is wrong."""
+    from lmcli.io.bounded import MAX_TRANSCRIPT, read_bounded
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ChatError(f"cannot read {path}: {e.strerror or e}") from None
+        data = json.loads(read_bounded(path, MAX_TRANSCRIPT, ChatError).decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ChatError(f"{path}: not a JSON transcript ({e})") from None
     if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
@@ -282,6 +282,8 @@ def load_transcript(path: Path) -> dict:
     data["messages"] = check_messages(data.get("messages"), str(path))
     if not isinstance(data.get("settings", {}), dict):
         raise ChatError(f'{path}: "settings" must be an object')
+    if not isinstance(data.get("model", {}), dict):
+        raise ChatError(f'{path}: "model" must be an object')
     return data
 
 

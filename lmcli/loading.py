@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lmcli.errors import CheckpointError, UsageError, first_line
+from lmcli.errors import CheckpointError, TokenizerError, UsageError, first_line
 from lmcli.model_ref import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
@@ -156,7 +156,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
             hf_config, metadata = checkpoint.hf_config, checkpoint.metadata
             weights = _drained(checkpoint.tensors)
         config = registry.config_from_hf(hf_config, model, source=resolved.config_source)
-        tokenizer = tokenizer_from_gguf(metadata)
+        try:
+            tokenizer = tokenizer_from_gguf(metadata)
+        except TokenizerError as e:  # what is wrong with the vocabulary, in the file it came from
+            raise TokenizerError(f"{path}: {e}") from None
         if quantized_load:
             gguf.forget_vocabulary()
         source = str(path)
@@ -345,7 +348,6 @@ def _tokenizer_from(path: Path) -> Tokenizer | None:
     """
     import tempfile
 
-    from lmcli.errors import TokenizerError
     from lmcli.io.tokenizer import load_tokenizer
 
     if path.is_dir():
