@@ -78,7 +78,7 @@ class BaseModel(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
+        self.kernel_choices: dict[str, Any] = {}  # weight format -> KernelChoice (models/kernel_plan.py)
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
         self.eval()
