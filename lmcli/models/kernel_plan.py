@@ -1,6 +1,15 @@
-"""Which kernel multiplies each quantized weight kind, chosen by measuring the candidates on this
-machine once (`kernel_plan`), measured in a child process and cached on disk per CPU, torch version
-and thread count."""
+"""Which kernel multiplies each quantized weight kind, and with which activation dtype.
+
+By default (batch-invariant) the choice is a fixed function of the torch build and device, never of
+timing: torch's int4 kernel (int4pack for int4 weights, int4pair for int8 ones) where this build has
+it and it passes a probe, else dequantise + F.linear; bfloat16 activations; the same kernel at every
+row count, so a row's numbers do not depend on how many rows share its batch (`fixed_choice`).
+
+With --fast-kernels (LMCLI_FAST_KERNELS=1) the candidates are measured on this machine once
+(`measured_plan`), in a child process, cached on disk per CPU, torch version and thread count; that
+plan may switch to dequantise + F.linear from some row count on, and two machines of one kind may
+time their way to different kernels (different text).
+"""
 
 from __future__ import annotations
 
@@ -166,11 +175,36 @@ def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES,
     return choices
 
 
-def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
-    """The measured choice for `kind` weights and `dtype` activations on this machine (cached on disk).
+FAST_KERNELS_ENV = "LMCLI_FAST_KERNELS"  # "1": the measured, not batch-invariant plan (--fast-kernels)
 
-    LMCLI_KERNEL=<name> forces a kernel (for tests and comparisons); LMCLI_REMEASURE=1 measures again.
-    """
+
+def fast_kernels() -> bool:
+    """Whether --fast-kernels (or LMCLI_FAST_KERNELS=1) asked for the measured plan."""
+    return os.environ.get(FAST_KERNELS_ENV, "") not in ("", "0")
+
+
+@functools.cache
+def fixed_choice(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
+    """The batch-invariant choice: torch's int4 kernel where it exists and passes a small probe
+    against F.linear on the dequantised weight, else dequantise; one kernel at every row count."""
+    gen = torch.Generator().manual_seed(0)
+    q = GroupQuantized.quantize(torch.randn(128, 256, generator=gen) * 0.05, 4 if kind == "int4" else 8)
+    x = torch.randn(3, 256, generator=gen)
+    why = f"fixed for {device.type} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+    for name in _candidates(kind, device):
+        try:
+            got = build_kernel(name, q, dtype, device).matmul(x.to(device, dtype)).float().cpu()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            continue
+        want = F.linear(x, q.dequantise())
+        if ((got - want).abs().max() / want.abs().max()).item() <= _tolerance(dtype):
+            return KernelChoice(kind, _dtype_name(dtype), name, None, f"{why} (batch-invariant)", {})
+    return KernelChoice(kind, _dtype_name(dtype), "dequantise", None, f"{why} (batch-invariant)", {})
+
+
+def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
+    """The kernel for `kind` weights and `dtype` activations: `fixed_choice`, or with --fast-kernels
+    `measured_plan`. LMCLI_KERNEL=<name> forces a kernel (for tests and comparisons)."""
     device = torch.device(device)
     forced = os.environ.get("LMCLI_KERNEL")
     if forced:
@@ -181,6 +215,15 @@ def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu
         if forced != "dequantise":
             forced = "int4pack" if kind == "int4" else "int4pair"
         return KernelChoice(kind, _dtype_name(dtype), forced, None, "forced by LMCLI_KERNEL", {})
+    return measured_plan(kind, dtype, device) if fast_kernels() else fixed_choice(kind, dtype, device)
+
+
+def measured_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:
+    """The measured choice for `kind` weights and `dtype` activations on this machine (cached on disk).
+
+    LMCLI_REMEASURE=1 measures again.
+    """
+    device = torch.device(device)
     dtypes = MEASURED_DTYPES if dtype in MEASURED_DTYPES else (dtype,)
     return _cached_plans(kind, dtypes, device)[_dtype_name(dtype)]
 
@@ -267,13 +310,14 @@ def _measure_for_parent() -> None:
 
 
 def preferred_dtype(kind: str, device: torch.device | str = "cpu") -> torch.dtype:
-    """The activation dtype whose best kernel for `kind` weights is fastest at one row (decode)."""
+    """The activation dtype for quantized weights: bfloat16 (batch-invariant default, and on CUDA);
+    with --fast-kernels the one whose best kernel for `kind` weights is fastest at one row (decode)."""
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" or not fast_kernels():
         return torch.bfloat16
     timings = {}
     for dtype in MEASURED_DTYPES:
-        choice = kernel_plan(kind, dtype, device)
+        choice = kernel_plan(kind, dtype, device)  # measured, or forced by LMCLI_KERNEL
         timings[dtype] = choice.seconds.get(f"{choice.kernel}@1", float("inf"))
     if all(t == float("inf") for t in timings.values()):  # forced kernels: nothing measured
         return torch.bfloat16 if kind == "int4" else torch.float32
