@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
-from real_models import smollm2_gguf  # noqa: F401 (fixture)
+from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixture)
 from tiny import prompts, save_reference
 from typer.testing import CliRunner
 
@@ -78,8 +78,10 @@ def test_tiny_quantized_rows_are_as_alone(case, kind, tmp_path):
     assert_rows_as_alone(model, pool)
 
 
-def test_default_model_rows_are_as_alone(smollm2_gguf):
-    model, _ = lmcli.load(smollm2_gguf)
+@pytest.mark.parametrize("name", ["smollm2", pytest.param("gemma", marks=pytest.mark.full)])  # gemma: ~1 min
+def test_real_quantized_rows_are_as_alone(name, request):
+    """The default model and Gemma 3, quantized as loaded by default."""
+    model, _ = lmcli.load(request.getfixturevalue(f"{name}_gguf"))
     assert model.batch_invariant
     pool = prompts([(5 * i) % 9 + 3 for i in range(8)], seed=4)
     pool = [p % model.config.vocab_size for p in pool]

@@ -117,7 +117,7 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
     monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
     kernel_plan._cached_plans.cache_clear()
-    choice = kernel_plan.kernel_plan("int8", torch.bfloat16)
+    choice = kernel_plan.measured_plan("int8", torch.bfloat16)
     assert choice.kernel in KERNELS[8] and f"{choice.kernel}@1" in choice.seconds and choice.why
     stored = json.loads((tmp_path / "kernels.json").read_text())
     (machine,) = stored.values()
@@ -128,7 +128,7 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
         raise AssertionError("measured again despite the cache")
 
     monkeypatch.setattr(kernel_plan, "measure", must_not_measure)
-    assert kernel_plan.kernel_plan("int8", torch.bfloat16) == choice
+    assert kernel_plan.measured_plan("int8", torch.bfloat16) == choice
     kernel_plan._cached_plans.cache_clear()
 
 
@@ -148,10 +148,10 @@ def test_a_plan_measured_on_a_crowded_machine_is_measured_again_when_it_is_quiet
         monkeypatch.setattr(kernel_plan, "_load_average", lambda value=load_then: value)
         kernel_plan._cached_plans.cache_clear()
         (tmp_path / "kernels.json").unlink(missing_ok=True)
-        first = kernel_plan.kernel_plan("int4", torch.bfloat16)
+        first = kernel_plan.measured_plan("int4", torch.bfloat16)
         monkeypatch.setattr(kernel_plan, "_load_average", lambda value=load_now: value)
         kernel_plan._cached_plans.cache_clear()
-        second = kernel_plan.kernel_plan("int4", torch.bfloat16)
+        second = kernel_plan.measured_plan("int4", torch.bfloat16)
         assert (second.kernel != first.kernel) == measured_again, (load_then, load_now)
     kernel_plan._cached_plans.cache_clear()
 

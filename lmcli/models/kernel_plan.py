@@ -190,7 +190,8 @@ def fixed_choice(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
     gen = torch.Generator().manual_seed(0)
     q = GroupQuantized.quantize(torch.randn(128, 256, generator=gen) * 0.05, 4 if kind == "int4" else 8)
     x = torch.randn(3, 256, generator=gen)
-    why = f"fixed for {device.type} {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}"
+    why = (f"{_dtype_name(dtype)} activations, fixed for {device.type} {torch.backends.cpu.get_cpu_capability()}, "
+           f"torch {torch.__version__}")
     for name in _candidates(kind, device):
         try:
             got = build_kernel(name, q, dtype, device).matmul(x.to(device, dtype)).float().cpu()
