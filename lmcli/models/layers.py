@@ -194,8 +194,9 @@ class Attention(nn.Module):
         B, _, T, _ = q.shape
         plans = inputs.row_plans.get(self.layer_type)
         if plans is None:
-            plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots,
-                                                                  inputs.slot_is_token, self.window)
+            one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None
+            plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots, inputs.slot_is_token,
+                                                                  self.window, q.dtype, one_call)
         rep = self.num_heads // self.num_kv_heads
         q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
         out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)
