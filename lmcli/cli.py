@@ -373,6 +373,11 @@ def generate(
         "--stats", "Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).",
         OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
+    prompt_lookup: Annotated[bool, _switch(
+        "--prompt-lookup", "Greedy only: guess tokens from earlier text and verify them in one pass (same output, "
+        "faster on text that repeats its input).", OUTPUT_PANEL)] = False,
+    num_draft_tokens: Annotated[int | None, _option(
+        "K", "With --prompt-lookup, guess at most K tokens a pass (default 8).", panel=OUTPUT_PANEL)] = None,
     input_path: Annotated[Path | None, _option(
         "FILE", "Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
         "--input", panel=JOBS_PANEL, exists=True, dir_okay=False)] = None,
@@ -404,6 +409,7 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
+    lookup = _prompt_lookup(prompt_lookup, num_draft_tokens, input_path)
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
@@ -429,7 +435,23 @@ def generate(
             _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp)
             return
         text = _read_prompt(prompt)
-        _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
+        _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs, lookup)
+
+
+def _prompt_lookup(enabled: bool, num_draft_tokens: int | None, input_path: Path | None) -> int | None:
+    """--prompt-lookup's K (None: off), checked by the speculative module's own rule."""
+    if not enabled:
+        if num_draft_tokens is not None:
+            raise UsageError("--num-draft-tokens needs --prompt-lookup")
+        return None
+    if input_path is not None:
+        raise UsageError("--prompt-lookup is not supported with --input yet")
+    from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, check_num_draft_tokens
+
+    try:
+        return check_num_draft_tokens(DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens)
+    except ValueError as exc:
+        raise UsageError("--" + str(exc).replace("_", "-")) from None
 
 
 @contextlib.contextmanager
@@ -497,8 +519,10 @@ def _utf8_text(raw: bytes, what: str) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False) -> None:
+def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False,
+                  prompt_lookup: int | None = None) -> None:
     import dataclasses
+    import functools
     import json
 
     from lmcli.console import (
@@ -540,8 +564,14 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
             else:
                 output.write(piece)
 
+    run, speculation = None, None
+    if prompt_lookup is not None:
+        from lmcli.generation.speculative import SpeculationStats
+
+        speculation = SpeculationStats()
+        run = functools.partial(model.generate, prompt_lookup=prompt_lookup, stats=speculation)
     try:
-        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
+        [result] = generate_batch(model, tokenizer, [row], on_text=on_text, run=run)
     except KeyboardInterrupt:
         if output is not None:
             output.end()
@@ -557,6 +587,9 @@ def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stat
         output.end()
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
+        if speculation is not None:
+            print_dim(f"prompt lookup: {speculation.drafted} drafted, {speculation.accepted} accepted "
+                      f"({speculation.acceptance:.0%}), {speculation.passes} model passes")
 
 
 def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
+from cli_fixtures import tiny_checkpoint  # noqa: F401  (a fixture)
 from real_models import smollm2_gguf  # noqa: F401  (a fixture)
 from tiny import CASES, VOCAB, left_pad, prompts
 
@@ -91,7 +94,8 @@ def test_lookup_proposes_what_followed_the_latest_ngram():
     assert VOCAB > 10
 
 
-def test_real_default_model_prompt_lookup_equals_plain_greedy(smollm2_gguf):  # noqa: F811
+@pytest.mark.full  # minutes on a busy machine: loads the default model
+def test_real_default_model_prompt_lookup_equals_plain_greedy(smollm2_gguf):
     model, tokenizer = lmcli.load(smollm2_gguf)
     passage = "The quick brown fox jumps over the lazy dog near the river bank at dawn."
     ids = torch.tensor([tokenizer.encode(f"Repeat this text exactly: {passage}\n{passage}\n")])
@@ -100,3 +104,20 @@ def test_real_default_model_prompt_lookup_equals_plain_greedy(smollm2_gguf):  # 
     got = model.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup=6, stats=stats)
     assert got.tolist() == expected.tolist()
     assert stats.accepted > 0
+
+
+def test_cli_prompt_lookup_prints_plain_greedy_text_and_its_stats(tiny_checkpoint):
+    from test_cli import cli
+
+    prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    flags = ["generate", "-c", tiny_checkpoint, "--greedy", "-n", 24, "--ignore-eos", "--stats"]
+    expected = cli(*flags, prompt)
+    got = cli(*flags, "--prompt-lookup", "--num-draft-tokens", 4, prompt)
+    assert expected.exit_code == got.exit_code == 0
+    assert got.stdout == expected.stdout and got.stdout.strip()
+    assert re.search(r"prompt lookup: \d+ drafted, \d+ accepted", got.stderr)
+    for bad in (0, 10**9):
+        refused = cli(*flags, "--prompt-lookup", "--num-draft-tokens", bad, prompt)
+        assert refused.exit_code == 2 and "--num-draft-tokens must be an integer from 1 to 64" in refused.stderr
+    refused = cli(*flags, "--num-draft-tokens", 3, prompt)
+    assert refused.exit_code == 2 and "--num-draft-tokens needs --prompt-lookup" in refused.stderr

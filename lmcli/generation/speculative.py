@@ -29,6 +29,7 @@ from lmcli.config import eos_id_list
 from lmcli.generation import loop
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain
 
+DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
 MAX_DRAFT_TOKENS = 64  # a bound on --num-draft-tokens: a longer guess is rarely taken whole, and costs its pass
 LONGEST_NGRAM = 3
 SHORTEST_NGRAM = 2  # single tokens recur too often by chance to be worth a guess
@@ -77,7 +78,7 @@ class NgramLookup:
 
 
 def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, do_sample: bool = False, *,
-             num_draft_tokens: int = 8,
+             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
              attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
              logits_processors: Sequence[LogitsProcessor] | None = None,
              on_token: Callable[[loop.TokenEvent], Any] | None = None, ignore_output: bool = False,
