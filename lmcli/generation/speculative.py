@@ -155,15 +155,12 @@ class _Row:
         while True:
             room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
             guess = lookup.propose(min(k, room - 1)) if room > 1 else []
-            if length - 1 > cached:  # the prompt (or what the cache lacks) up to the last token
-                model.forward_slots(self.ids[:, cached:length - 1], positions[:, cached:length - 1],
-                                    torch.arange(cached, length - 1, device=device), self.slot_is_token, cache,
-                                    last_only=True)
             end = length + len(guess)
             self.ids[0, length:end] = torch.tensor(guess, dtype=torch.long)
-            logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],
-                                         torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
-                                         last_only=not guess)[0].float()  # (1 + len(guess), V)
+            # What the cache lacks (the whole prompt first, as the plain loop feeds it), then the guesses.
+            logits = model.forward_slots(self.ids[:, cached:end], positions[:, cached:end],
+                                         torch.arange(cached, end, device=device), self.slot_is_token, cache,
+                                         last_only=not guess)[0, -1 - len(guess):].float()  # (1 + len(guess), V)
             self.stats.passes += 1
             self.stats.drafted += len(guess)
             taken = 0
