@@ -33,7 +33,7 @@ class SlotModel(ModelShape, Protocol[CacheT]):
     """What the loop needs of a model (lmcli.models.base.BaseModel is one); the loop sits below the
     models and knows them only through this, so a cache is whatever the model's init_cache returns."""
 
-    def init_cache(self, batch_size: int, max_length: int, rollback: int = 0) -> CacheT: ...
+    def init_cache(self, batch_size: int, max_length: int) -> CacheT: ...
 
     def forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                       slot_is_token: torch.Tensor, cache: CacheT | None = None,

@@ -148,7 +148,7 @@ class _Row:
 
     def run(self) -> None:
         model, device = self.model, self.ids.device
-        cache = model.init_cache(1, self.total, rollback=self.max_draft)
+        cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
         lookup = NgramLookup(self.tokens)
         positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
         length, cached, k = self.width, 0, self.max_draft

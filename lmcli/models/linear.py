@@ -3,7 +3,7 @@
 The architectures build plain `nn.Linear` / `nn.Embedding` modules; at load, `install_quantized`
 swaps the ones whose checkpoint tensor is a `GroupQuantized` for `QuantLinear` / `QuantEmbedding`.
 Which kernel multiplies a quantized weight is chosen by measuring the candidates on this machine
-once (`kernel_plan`, cached on disk per CPU, torch version and thread count):
+once (`kernel_plan`, cached on disk per CPU, torch version and thread settings):
 
   int4pack     torch's group-wise int4 kernel (`_weight_int4pack_mm_for_cpu`, tinygemm on CUDA);
                codes 0..15, value = (code - 8) * scale + zero, scales and zeros in the activation dtype
@@ -35,6 +35,7 @@ from torch import nn
 
 from lmcli.config import dtype_name as _dtype_name
 from lmcli.errors import first_line
+from lmcli.threads import signature
 
 GROUP = 32  # values per scale when lmcli quantizes a float weight itself
 
@@ -470,7 +471,7 @@ def _machine_key(device: torch.device) -> str:
     if device.type == "cuda":
         cpu = torch.cuda.get_device_name(device)
     return (f"v{PLAN_FORMAT}|{device.type}|{cpu}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}"
-            f"|{torch.get_num_threads()} threads")
+            f"|{signature()}")  # measured under the thread settings used: lmcli.threads
 
 
 def _plan_file() -> Path:
