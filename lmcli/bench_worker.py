@@ -39,7 +39,7 @@ def _sync(device: torch.device) -> None:
 
 def weight_kernels(model: Any) -> dict[str, Any]:
     """How the model's weights are stored and multiplied: weights per stored form, and for each quantized
-    format the kernel models/linear.py chose on this machine and why (its measurement)."""
+    format the kernel models/kernel_plan.py chose on this machine and why (its measurement)."""
     formats = model.weight_formats() if hasattr(model, "weight_formats") else {}
     choices = getattr(model, "kernel_choices", None) or {}
     return {"weights": formats, "why": {kind: choice.describe() for kind, choice in choices.items()}}

@@ -72,7 +72,9 @@ class _LmcliGroup(TyperGroup):
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
         end = args.index("--") if "--" in args else len(args)
         _debug = "--debug" in args[:end]
-        args = [a for a in args[:end] if a != "--debug"] + args[end:]
+        if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by models/kernel_plan.py
+            os.environ["LMCLI_FAST_KERNELS"] = "1"
+        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels")] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
                                windows_expand_args=windows_expand_args, **extra)
@@ -178,6 +180,9 @@ def _root(
     ] = False,
     # Listed here for --help; main() takes --debug out of the arguments wherever it appears.
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks instead of one-line errors.")] = False,
+    fast_kernels: Annotated[bool, typer.Option("--fast-kernels", metavar="", help=(
+        "Quantized weights: the kernels measured fastest here, batched attention; a row's text may then "
+        "depend on its batch, chunking and machine."))] = False,
 ) -> None:
     """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""
 

@@ -311,7 +311,9 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
                      dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Install each quantized weight into `built` as it arrives (quantizing float ones first under
     --quantize); return the float tensors, in the activation dtype, for `fill_model`."""
-    from lmcli.models.linear import GROUP, GroupQuantized, QuantizedInstaller, preferred_dtype
+    from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
+    from lmcli.models.linear import QuantizedInstaller
+    from lmcli.quant.stored import GROUP, GroupQuantized
 
     if dtype is None or str(dtype) == "auto":
         activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
@@ -334,6 +336,7 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
         else:
             floats[name] = tensor.to(device=device, dtype=activation if tensor.is_floating_point() else tensor.dtype)
     built.kernel_choices = installer.choices
+    built.batch_invariant = bool(installer.choices) and not fast_kernels()  # see models/row_attention.py
     return floats
 
 
