@@ -97,8 +97,9 @@ def test_lookup_proposes_what_followed_the_latest_ngram():
 @pytest.mark.full  # minutes on a busy machine: loads the default model
 def test_real_default_model_prompt_lookup_equals_plain_greedy(smollm2_gguf):
     model, tokenizer = lmcli.load(smollm2_gguf)
-    passage = "The quick brown fox jumps over the lazy dog near the river bank at dawn."
-    ids = torch.tensor([tokenizer.encode(f"Repeat this text exactly: {passage}\n{passage}\n")])
+    passage = ("The river rises in the northern hills, runs south through three small towns, and meets the sea at "
+               "a wide muddy delta where fishermen have worked for centuries, mending their nets each winter.")
+    ids = torch.tensor([tokenizer.encode(f"Repeat this text exactly: {passage}\nThe river rises")])
     expected = plain(model, ids, 16)
     stats = speculative.SpeculationStats()
     got = model.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup=6, stats=stats)
