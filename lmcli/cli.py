@@ -297,6 +297,11 @@ def generate(
         "--stats", "Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).",
         OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
+    prompt_lookup: Annotated[bool, _switch(
+        "--prompt-lookup", "Greedy only: guess tokens from earlier text and verify them in one pass (same output, "
+        "faster on text that repeats its input).", OUTPUT_PANEL)] = False,
+    num_draft_tokens: Annotated[int | None, _option(
+        "K", "With --prompt-lookup, guess at most K tokens a pass (default 8).", panel=OUTPUT_PANEL)] = None,
     input_path: Annotated[Path | None, _option(
         "FILE", "Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
         "--input", panel=JOBS_PANEL, exists=True, dir_okay=False)] = None,
@@ -327,6 +332,9 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
+    from lmcli import runs
+
+    lookup = runs.prompt_lookup_draft(prompt_lookup, num_draft_tokens, input_path)
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     resolved = _resolve(checkpoint, model, tokenizer)
     # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
@@ -342,8 +350,6 @@ def generate(
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
-    from lmcli import runs
-
     with _process_group(tp, input_path, device):
         if input_path is not None:
             with _exit_when_stopped():
@@ -352,7 +358,7 @@ def generate(
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():
-            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
+            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs, lookup)
 
 
 @contextlib.contextmanager
