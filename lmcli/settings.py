@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError, UsageError
+from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS, Constraint, ConstraintError, one_constraint
 from lmcli.generation.decoding_fields import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
 from lmcli.generation.decoding_fields import WARPERS, DecodingFields
 
@@ -53,11 +54,12 @@ FLAG_NAMES = {
     "stop": "--stop",
     "system": "--system",
     "logprobs": "--logprobs",
+    "constraint": "--json-schema/--json/--regex/--grammar",
 }
 # Settings a JSONL row may set (besides "prompt" and "id").
 ROW_SETTINGS = ("seed", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p",
                 "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
-                "min_new_tokens", "logit_bias", "stop", "system")
+                "min_new_tokens", "logit_bias", "stop", "system", "json_schema", "json", "regex", "grammar")
 INTEGER_SETTINGS = ("seed", "max_new_tokens", "top_k", "no_repeat_ngram_size", "min_new_tokens")
 NUMBER_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
@@ -97,6 +99,7 @@ class GenerationSettings(DecodingFields):
     system: str | None = None
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
     truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
+    constraint: Constraint | None = None  # the structured output the row must have (generation/constraints.py)
     # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
@@ -114,6 +117,8 @@ class GenerationSettings(DecodingFields):
             temperature = 0.0
         if values.get("system") is not None and not values.get("chat"):
             raise UsageError("--system only applies with --chat")
+        if values.get("constraint") is not None and values.get("ignore_eos"):
+            raise UsageError("--ignore-eos cannot be combined with a constraint: its end is the end of the text")
         given = {name: value for name, value in values.items() if value is not None}
         for name in ("stop", "logit_bias"):
             if name in given:
@@ -160,6 +165,11 @@ class GenerationSettings(DecodingFields):
             if not self.chat:
                 raise RowError('"system" only applies with --chat')
             changes["system"] = row["system"]
+        if any(kind in row for kind in ("json_schema", "json", "regex", "grammar")):
+            try:
+                changes["constraint"] = one_constraint(row, lambda kind: f'"{kind}"')
+            except ConstraintError as e:
+                raise RowError(str(e)) from None
         # The row on its own, as a layer (as a model's defaults are checked): its values are its own
         # business whether or not a flag overrides them.
         GenerationSettings(**changes, chat=self.chat).check(lambda name: f'"{name}"', RowError)
@@ -209,6 +219,8 @@ class GenerationSettings(DecodingFields):
             elif name in defaults.values:
                 changes[name] = defaults.values[name]
                 sources[name] = defaults.source
+            elif name == "max_new_tokens" and self.constraint is not None:
+                changes[name] = CONSTRAINED_MAX_NEW_TOKENS  # a whole object ends the text itself, at EOS
             else:
                 changes[name] = _LMCLI_DEFAULTS.get(name)
         temperature = changes.get("temperature", self.temperature)
@@ -289,6 +301,8 @@ class GenerationSettings(DecodingFields):
         out = {name: value for name, value in self._decoding().items() if value is not None}
         if self.logit_bias:
             out["logit_bias"] = dict(self.logit_bias)
+        if self.constraint is not None:
+            out.update(self.constraint.describe())
         return out
 
     def described(self) -> list[tuple[str, str, str]]:

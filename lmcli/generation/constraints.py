@@ -21,9 +21,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmcli.errors import LmcliError
 
@@ -36,7 +35,10 @@ if TYPE_CHECKING:
 # A constraint's kinds, as a job row names them (and as `--json-schema` etc. spell them with dashes).
 KINDS = ("json_schema", "json", "regex", "grammar")
 FLAGS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "grammar": "--grammar"}
-MAX_SOURCE_BYTES = 1 << 20  # a schema or grammar file larger than this is refused, not read
+MAX_SOURCE_BYTES = 1 << 20
+# The token limit for a constrained row that sets none: room for typical objects (a few hundred tokens).
+# A complete object ends its row at end-of-text, so the larger limit costs nothing when it is not used.
+CONSTRAINED_MAX_NEW_TOKENS = 512  # a schema or grammar file larger than this is refused, not read
 
 # JSON output without free whitespace: the engine would otherwise let a small model pad an object with
 # newlines until the token limit. A schema's own "x-guidance" options still override these.
@@ -66,10 +68,10 @@ class ConstraintError(LmcliError):
     exit_code = 2
 
 
-@dataclass(frozen=True)
-class Constraint:
+class Constraint(NamedTuple):
     """One row's constraint: its kind, its source as given (schema JSON, pattern, grammar text) and the
-    engine's grammar compiled from it (checked, with no tokenizer yet)."""
+    engine's grammar compiled from it (checked, with no tokenizer yet). A plain tuple, so settings that
+    hold one still hash and serialise (input_hash)."""
 
     kind: str
     source: str
@@ -85,7 +87,7 @@ class Constraint:
         if kind == "json_schema":
             schema = _schema_value(value, name)
             _check_keywords(schema, name)
-            source = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+            source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
             grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
         elif kind == "json":
             if value is not True:
@@ -121,6 +123,16 @@ def one_constraint(values: dict[str, Any], name_of: Any = FLAGS.get) -> Constrai
         raise ConstraintError(f"{' and '.join(name_of(kind) for kind in given)} cannot be combined: "
                               "give at most one constraint")
     return Constraint.parse(given[0], values[given[0]], name_of(given[0])) if given else None
+
+
+def constraint_from_setting(kind: str, value: str) -> Constraint | None:
+    """A chat's `/set KIND VALUE`: VALUE as the flag takes it (`on` for json); `off` clears it."""
+    value = value.strip()
+    if value.lower() in ("off", "none", ""):
+        return None
+    if kind == "json":
+        return one_constraint({"json": value.lower() in ("on", "true", "yes", "1") or value})
+    return one_constraint({kind: read_source(kind, value)})
 
 
 def read_source(kind: str, value: str) -> Any:
@@ -172,7 +184,7 @@ def _check_keywords(schema: Any, name: str, where: str = "") -> None:
 def _one_line(message: str) -> str:
     if message.startswith("Unimplemented keys: "):  # the engine's list of schema keywords it lacks
         return f"unsupported schema keyword(s) {message.removeprefix('Unimplemented keys: ')}"
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
     # The engine's regex errors span lines ("regex parse error:", the pattern, a caret, "error: ...").
     detail = next((line for line in lines if line.startswith("error:")), None)
     head = lines[0] if lines else "invalid"
@@ -283,20 +295,20 @@ class ConstraintMask:
         ]
         self._executor = llguidance.LLExecutor(num_threads=1)  # rows are few; threads would contend with torch
         self._seen = -1  # text length at the last call
-        self.mask_seconds: list[float] = []  # time per step spent computing masks (bench reads it)
+        self.mask_seconds: list[float] = []  # per step: feeding the tokens, building and applying the masks
 
     def _matcher(self, constraint: Constraint, name: str) -> llguidance.LLMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.engine, constraint.grammar, log_level=0)
-        if matcher.is_error():
-            raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")
-        first = _allowed(matcher.compute_bitmask(), self.vocab_size)
-        if matcher.is_error():  # e.g. the lexer ran out of its limits on a pathological pattern
-            raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")
-        if not any(i not in self.eos_ids for i in first) and not matcher.is_accepting():
+        limits = llguidance.LLParserLimits(verbose_errors=False)  # errors without the parser's state dump
+        matcher = llguidance.LLMatcher(self.engine, constraint.grammar, log_level=0, limits=limits)
+        if not matcher.is_error():
+            first = _allowed(matcher.compute_bitmask(), self.vocab_size)
+            if not matcher.is_error() and (matcher.is_accepting() or any(i not in self.eos_ids for i in first)):
+                return matcher
+        if not matcher.is_error() or matcher.get_error().split()[0] in ("NoExtension", "NoExtensionBias"):
             raise ConstraintError(f"{name}: no token of this model's vocabulary can start it")
-        return matcher
+        raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")  # e.g. past the engine's limits
 
     def reset(self) -> None:
         for matcher in self.matchers:
@@ -311,16 +323,16 @@ class ConstraintMask:
 
         if len(self.matchers) != logits.shape[0]:
             raise ValueError(f"ConstraintMask has {len(self.matchers)} rows but the batch has {logits.shape[0]}")
+        started = time.perf_counter()
         length = input_ids.shape[1]
         if length == self._seen + 1:
             newest = input_ids[:, -1].tolist()
             for matcher, token in zip(self.matchers, newest):
-                if matcher is not None and not matcher.is_error():
-                    matcher.consume_token(token)  # a finished row's padding puts it in error: unused anyway
+                if matcher is not None and not matcher.is_error() and not matcher.is_stopped():
+                    matcher.consume_token(token)  # once stopped (after end-of-text) the row only pads
         elif self._seen != -1:
             self.reset()
         self._seen = length
-        started = time.perf_counter()
         words = (self.vocab_size + 31) // 32
         bitmask = torch.full((len(self.matchers), words), -1, dtype=torch.int32)  # (B, W): 32 tokens a word
         live = [(m, i) for i, m in enumerate(self.matchers) if m is not None and not m.is_error()]
@@ -331,7 +343,6 @@ class ConstraintMask:
                 bitmask[i] = 0  # only end-of-text, so the row ends (it is finished, or the engine failed)
                 for eos in self.eos_ids:
                     bitmask[i, eos // 32] |= _bit(eos % 32)
-        self.mask_seconds.append(time.perf_counter() - started)
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)  # (B, W*32)
         vocab = logits.shape[-1]
@@ -340,12 +351,20 @@ class ConstraintMask:
         allowed = allowed[:, :vocab].to(logits.device)
         unconstrained = torch.tensor([m is None for m in self.matchers], device=logits.device)
         allowed |= unconstrained[:, None]
-        return logits.masked_fill(~allowed, float("-inf"))
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        self.mask_seconds.append(time.perf_counter() - started)
+        return masked
+
+    def release(self, row: int) -> None:
+        """The row has ended (stop string, token limit): its matcher is dropped, and the padding that
+        follows is not fed to it."""
+        self.matchers[row] = None
+        self.constraints[row] = None
 
     def row_error(self, row: int) -> str | None:
         """The engine's error for a row whose text broke its constraint (None when it has not)."""
         matcher = self.matchers[row]
-        return matcher.get_error() if matcher is not None and matcher.is_error() else None
+        return _one_line(matcher.get_error()) if matcher is not None and matcher.is_error() else None
 
 
 def _bit(index: int) -> int:
