@@ -134,7 +134,8 @@ def test_chat_set_changes_the_constraint(tiny_checkpoint):
 
     model, tokenizer = load(tiny_checkpoint)
     session = ChatSession(model, tokenizer, GenerationSettings.from_flags(chat=True, seed=1, max_new_tokens=8))
-    assert session.set_setting("regex", "[0-9]{3}").constraint.source == "[0-9]{3}"
+    constraint = session.set_setting("regex", "[0-9]{3}").constraint
+    assert constraint is not None and constraint.source == "[0-9]{3}"
     turn = session.reply("Digits?")
     assert re.fullmatch("[0-9]{3}", session.messages[-1]["content"]), turn
     assert session.set_setting("regex", "off").constraint is None
