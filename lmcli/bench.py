@@ -85,16 +85,10 @@ def cpu_facts() -> dict[str, Any]:
     """The CPU's model name, the vector/matrix extensions that matter here, and torch's capability."""
     import torch
 
-    model, flags = "unknown", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    from lmcli.machine import cpu_model_and_flags
+
+    name, flags = cpu_model_and_flags()
+    model = name or "unknown"
     extensions = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile",
                               "amx_bf16", "amx_int8") if f in flags]
     return {"cpu": model, "extensions": extensions, "logical_cpus": os.cpu_count(),
@@ -214,6 +208,7 @@ def _converted_for_transformers(path: Path, dtype: torch.dtype) -> str | None:
     """An HF directory with the GGUF's dequantised weights (kept under the lmcli cache), which transformers
     loads in seconds rather than parsing the GGUF itself for a minute; None if it cannot be written."""
     from lmcli.default_model import cache_dir, gguf_fingerprint
+    from lmcli.io.atomic import replace_directory
     from lmcli.io.gguf import convert_gguf
 
     target = cache_dir() / "bench" / f"{path.stem}-{gguf_fingerprint(path)}-{str(dtype).removeprefix('torch.')}"
@@ -222,7 +217,7 @@ def _converted_for_transformers(path: Path, dtype: torch.dtype) -> str | None:
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=_made(target.parent)))
     try:
         convert_gguf(path, staging / "hf", dtype=dtype)
-        os.replace(staging / "hf", target)
+        replace_directory(staging / "hf", target)
     except (OSError, ValueError):
         return None
     finally:

@@ -9,10 +9,11 @@ reused; the file name carries SYNTHETIC_FORMAT so a change to the recipe writes 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from lmcli.io.atomic import atomic_file
 
 if TYPE_CHECKING:  # numpy loads only when a file is written
     import numpy as np
@@ -96,8 +97,7 @@ def write_synthetic_llama(path: str | Path, sizes: SyntheticLlama = SyntheticLla
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    writer = gguf.GGUFWriter(partial, arch="llama")
+    writer = gguf.GGUFWriter(None, arch="llama")  # the file is opened by write_header_to_file
     writer.add_name(f"synthetic llama {sizes.parameter_count() / 1e9:.2f}B Q4_0")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     writer.add_context_length(sizes.context_length)
@@ -126,8 +126,8 @@ def write_synthetic_llama(path: str | Path, sizes: SyntheticLlama = SyntheticLla
                                raw_dtype=gguf.GGMLQuantizationType.Q4_0)
     for name in sizes.norms():
         writer.add_tensor_info(name, (sizes.hidden_size,), np.dtype(np.float32), sizes.hidden_size * 4)
-    try:
-        writer.write_header_to_file()
+    with atomic_file(path) as partial:
+        writer.write_header_to_file(partial)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         rng = np.random.default_rng(seed)
@@ -138,9 +138,6 @@ def write_synthetic_llama(path: str | Path, sizes: SyntheticLlama = SyntheticLla
         for _ in sizes.norms():
             writer.write_tensor_data(np.ones(sizes.hidden_size, dtype=np.float32))
         writer.close()
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
     return path
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ from typing import Any
 from lmcli.console import PROBABILITY_COLOURS, ProbabilityShading, probability_style, row_summary, visible_controls
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.generation.rows import RowResult, generate_batch, prepare_row
+from lmcli.io.atomic import write_atomically
 from lmcli.settings import DEFAULT_TEMPERATURE, GenerationSettings
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
@@ -141,8 +141,7 @@ class ChatSession:
         if field_name not in fields:
             raise ChatError(f"unknown setting '{name}' (one of: {', '.join(fields)})")
         parsed = _parse_setting(field_name, str(fields[field_name].type), value)
-        settings = dataclasses.replace(self.settings, **{field_name: parsed})
-        settings.check(lambda n: n, ChatError)
+        settings = self.settings.changed(lambda n: n, ChatError, **{field_name: parsed})
         self._check_room(settings, "max_new_tokens", ChatError)
         self.settings = settings
         return settings
@@ -242,17 +241,13 @@ class ChatSession:
         limit = min(len(self._cached_ids), len(ids) - 1)
         while common < limit and self._cached_ids[common] == ids[common]:
             common += 1
-        if common < len(self._cached_ids) and self._has_rolling_layers():
-            # A ring buffer has overwritten the keys before its window, so it cannot go back to an
-            # earlier point of the text: start again with an empty cache.
+        back = len(self._cached_ids) - common
+        if back and self._cache is not None and self._cache.trim(back) < back:
+            # The cache cannot go back that far (a ring buffer has overwritten the keys before its
+            # window): start again with an empty one.
             self._cache = None
             return 0
         return common
-
-    def _has_rolling_layers(self) -> bool:
-        from lmcli.models.cache import RollingKVCache
-
-        return self._cache is not None and any(isinstance(layer, RollingKVCache) for layer in self._cache.layers)
 
     # --- transcripts ------------------------------------------------------------------------------
 
@@ -264,13 +259,9 @@ class ChatSession:
     def save(self, path: str | Path, model_info: dict) -> Path:
         """Write the transcript as JSON, atomically (a temporary file renamed over the target)."""
         path = Path(path).expanduser()
-        temporary = path.with_name(f".{path.name}.tmp")
         try:
-            temporary.write_text(json.dumps(self.transcript(model_info), indent=2, ensure_ascii=False) + "\n",
-                                 encoding="utf-8")
-            os.replace(temporary, path)
+            write_atomically(path, json.dumps(self.transcript(model_info), indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
-            temporary.unlink(missing_ok=True)
             raise ChatError(f"cannot write {path}: {e.strerror or e}") from None
         return path
 
@@ -310,19 +301,7 @@ def load_transcript(path: Path) -> dict:
 
 def resumed_settings(saved: dict, flags: GenerationSettings, explicit: set[str], path: Path) -> GenerationSettings:
     """The saved settings, except those given on the command line this time."""
-    known = set(settable_names())
-    unknown = sorted(set(saved) - known)
-    if unknown:
-        raise ChatError(f"{path}: unknown setting '{unknown[0]}' in \"settings\"")
-    values = {name: value for name, value in saved.items() if name not in explicit}
-    if isinstance(values.get("stop"), list):
-        values["stop"] = tuple(values["stop"])
-    try:
-        settings = dataclasses.replace(flags, **values)
-    except TypeError as e:
-        raise ChatError(f"{path}: bad \"settings\" ({e})") from None
-    settings.check(lambda n: f'"{n}" in {path}', ChatError)
-    return settings
+    return flags.resumed(saved, settable_names(), explicit, str(path), ChatError)
 
 
 def _parse_bool(value: str, name: str) -> bool:

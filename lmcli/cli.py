@@ -764,8 +764,9 @@ def info(
     quantize: QuantizeOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
-    from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count, size_on_disk
+    from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count
     from lmcli.default_model import describe_weights
+    from lmcli.model_names import size_on_disk
 
     loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path,
                               quantize=quantize)

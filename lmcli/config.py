@@ -9,13 +9,27 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcli.errors import ConfigError
 
+if TYPE_CHECKING:
+    import torch
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+# HF hidden_act names -> the function each stands for (models/layers.py maps these to torch).
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+    "relu": "relu",
+}
 
 
 def eos_id_list(eos_token_id: Any) -> list[int]:
@@ -96,8 +110,6 @@ class ModelConfig:
             )
         if any(t == SLIDING for t in self.layer_types) and not self.sliding_window:
             raise ConfigError("config: sliding_attention layers need a positive sliding_window")
-        from lmcli.models.layers import ACTIVATIONS  # torch-heavy; config.py itself stays light
-
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(
                 f"config: unsupported activation '{self.hidden_act}' (supported: {', '.join(sorted(ACTIVATIONS))})"
@@ -197,6 +209,16 @@ HF_FIELDS = {
 }
 
 
+def is_number(value: Any) -> bool:
+    """An int or float (or another real number: numpy's), but not a bool, which Python counts as an int."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as HF configs, cache keys and reports spell it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _problem(value: Any, spec: _Field) -> str | None:
     """Why `value` does not fit `spec`, or None when it does."""
     if value is None:
@@ -207,7 +229,7 @@ def _problem(value: Any, spec: _Field) -> str | None:
         if not spec.low <= value <= spec.high:
             return f"must be between {spec.low:.0f} and {spec.high:.0f}"
     elif spec.kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not is_number(value):
             return "must be a number"
         if not (math.isfinite(value) and value > 0):
             return "must be a positive finite number"

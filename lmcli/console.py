@@ -195,12 +195,6 @@ def describe_tokenizer(tokenizer: Tokenizer | None) -> str:
     return "; ".join(parts)
 
 
-def size_on_disk(path: Path) -> int:
-    if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    return path.stat().st_size
-
-
 def human_count(count: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= size:

@@ -15,7 +15,6 @@ import contextlib
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import struct
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lmcli.config import dtype_name as _dtype_name
 from lmcli.errors import CheckpointError
 from lmcli.paths import cache_dir
 
@@ -93,10 +93,6 @@ def _converter_version() -> str:
     for source in sources:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16] + "/gguf-" + getattr(gguf, "__version__", "?")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _cache_key(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
@@ -177,6 +173,7 @@ def _load_entry(entry: Path, gguf_path: Path):
 
 
 def _write_entry(checkpoint, entry: Path, key: dict[str, Any]) -> None:
+    from lmcli.io.atomic import replace_directory
     from lmcli.io.gguf import write_hf_weights
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -190,29 +187,10 @@ def _write_entry(checkpoint, entry: Path, key: dict[str, Any]) -> None:
             raise OSError(f"{staging}: the safetensors file just written has no readable header")
         manifest = {"key": key, "tensors": layout[0], "safetensors_bytes": layout[1]}
         _write_json(staging / "manifest.json", manifest)  # last: its presence means complete
-        _swap_into_place(staging, entry)
+        replace_directory(staging, entry)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _remove_superseded(entry, key)
-
-
-def _swap_into_place(staging: Path, entry: Path) -> None:
-    """Rename the finished directory to `entry`, moving aside whatever is there (stale or damaged).
-
-    Readers of the old one keep their open files; a process racing us just leaves its own, equally good, copy.
-    """
-    for _ in range(3):
-        if entry.exists():
-            trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=entry.parent))
-            with contextlib.suppress(FileNotFoundError):  # another process moved it first
-                os.rename(entry, trash / "entry")
-            shutil.rmtree(trash, ignore_errors=True)
-        try:
-            os.rename(staging, entry)
-            return
-        except OSError:  # someone else renamed theirs in between: look again
-            continue
-    raise OSError(f"could not place cache entry {entry}")
 
 
 def _remove_superseded(entry: Path, key: dict[str, Any]) -> None:

@@ -23,26 +23,30 @@ ranks cannot drift apart.
 
 Data parallel (batch jobs without --tp): see `run_data_parallel_job`.
 
-One concern, so one file even past ~450 lines: running on several processes under torchrun (the
-process group, each rank's share of the weights, and each rank's share of a job's rows).
+Reading a rank's part of each tensor is io/checkpoint.py's (LazyTensor); a rank's job output is a
+jobs.JobOutput (a part file, or nowhere).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmcli.errors import CheckpointError, UsageError
+from lmcli import jobs
+from lmcli.errors import LmcliError, UsageError
+from lmcli.io.checkpoint import LazyTensor
+from lmcli.io.checkpoint import lazy_safetensors as lazy_safetensors  # where a rank's loading finds it
+from lmcli.jobs import FileOutput, JobOutput
 
 # --- the process group ----------------------------------------------------------------------------
 
@@ -90,86 +94,6 @@ def rank_device(device: torch.device) -> torch.device:
     if device.type == "cuda" and device.index is None and dist.is_initialized():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
-
-
-# --- lazy safetensors tensors ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LazyTensor:
-    """A safetensors tensor not read yet, viewed through the renames an architecture's
-    `convert_checkpoint` applies (a transpose, chunks along dim 0), so a rank can read only its part.
-
-    The view is `source.t()[offset:offset + rows]` when transposed, else `source[offset:offset + rows]`.
-    """
-
-    path: Path
-    name: str
-    source_shape: tuple[int, ...]
-    transposed: bool = False
-    offset: int = 0
-    rows: int | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        dims = tuple(reversed(self.source_shape)) if self.transposed else self.source_shape
-        if not dims:
-            return torch.Size(dims)
-        return torch.Size((self.rows if self.rows is not None else dims[0], *dims[1:]))
-
-    def t(self) -> LazyTensor:
-        assert self.rows is None and len(self.source_shape) == 2, "transpose a whole 2-D tensor only"
-        return dataclasses.replace(self, transposed=not self.transposed)
-
-    def chunk(self, chunks: int, dim: int = 0) -> list[LazyTensor]:
-        assert dim == 0 and self.shape[0] % chunks == 0, "equal chunks along dim 0 only"
-        size = self.shape[0] // chunks
-        return [dataclasses.replace(self, offset=self.offset + i * size, rows=size) for i in range(chunks)]
-
-    def read(self, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
-        """The view's [rows, columns] part (whole dims when None), reading only that from the file."""
-        from safetensors import safe_open
-
-        shape = self.shape
-        rows = rows or slice(0, shape[0] if shape else 0)
-        first = slice(self.offset + rows.start, self.offset + rows.stop)
-        try:
-            # Opened per tensor, so the pages a rank touches are unmapped again right after.
-            with safe_open(str(self.path), framework="pt") as handle:
-                source = handle.get_slice(self.name)
-                if len(shape) == 0:
-                    return source[:]
-                if len(shape) == 1:
-                    return source[first]
-                columns = columns or slice(0, shape[1])
-                if self.transposed:
-                    return source[columns, first].t()
-                return source[first, columns]
-        except Exception as exc:  # safetensors raises its own error types for corrupt/truncated files
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CheckpointError(f"{self.path}: cannot read tensor '{self.name}' ({reason})") from None
-
-
-def lazy_safetensors(files: list[Path]) -> tuple[dict[str, LazyTensor], dict[str, Path]]:
-    """Every tensor of `files` as a LazyTensor (only the headers are read), and the file of each."""
-    from safetensors import safe_open
-
-    tensors: dict[str, LazyTensor] = {}
-    origin: dict[str, Path] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    if name in tensors:
-                        raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
-                    tensors[name] = LazyTensor(path, name, tuple(handle.get_slice(name).get_shape()))
-                    origin[name] = path
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CheckpointError(f"{path}: cannot read safetensors file ({reason})") from None
-    return tensors, origin
 
 
 # --- tensor parallel ------------------------------------------------------------------------------
@@ -357,8 +281,6 @@ def _parts(output_path: Path) -> list[Path]:
 
 def _on_rank_0(action) -> Any:
     """Run `action` on rank 0 only; its result, or its LmcliError, reaches every rank."""
-    from lmcli.errors import LmcliError
-
     outcome: list[Any] = [None]
     if rank() == 0:
         try:
@@ -373,8 +295,6 @@ def _on_rank_0(action) -> Any:
 
 
 def _append_lines(output_path: Path, lines: list[bytes]) -> None:
-    from lmcli.errors import LmcliError
-
     try:
         with open(output_path, "ab") as out:
             out.write(b"".join(line + b"\n" for line in lines))
@@ -394,14 +314,10 @@ def _complete_lines(path: Path) -> list[bytes]:
 def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int:
     """Append the rows of the part files to `output_path` (in input order when `order` maps ids to
     input positions), then remove the parts. Returns the number of rows moved."""
-    import json
-
-    from lmcli.jobs import _id_key
-
     parts = _parts(output_path)
     lines = [line for part in parts for line in _complete_lines(part)]
     if order is not None:
-        lines.sort(key=lambda line: order.get(_id_key(json.loads(line).get("id")), len(order)))
+        lines.sort(key=lambda line: order.get(jobs.id_key(json.loads(line).get("id")), len(order)))
     if lines or not output_path.exists():
         _append_lines(output_path, lines)
     for part in parts:
@@ -412,8 +328,6 @@ def _absorb_parts(output_path: Path, order: dict[str, int] | None = None) -> int
 def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
     """Part files an interrupted data-parallel job left beside OUTPUT: with --resume their rows join
     OUTPUT (whatever the number of ranks now, one included); with --overwrite they are removed."""
-    from lmcli import jobs
-
     leftovers = _parts(output_path)
     if not leftovers:
         return
@@ -432,8 +346,6 @@ def adopt_parts(output_path: Path, resume: bool, overwrite: bool) -> None:
 def _prepare_output(output_path: Path, resume: bool, overwrite: bool) -> None:
     """Rank 0, before any rank reads OUTPUT: the checks a one-process job makes, leftover parts
     adopted, and the file tidied (torn line and failed rows dropped) so the ranks can all read it."""
-    from lmcli import jobs
-
     if overwrite:
         output_path.unlink(missing_ok=True)
     elif output_path.exists() and not resume:
@@ -443,11 +355,32 @@ def _prepare_output(output_path: Path, resume: bool, overwrite: bool) -> None:
         jobs.read_finished(output_path)
 
 
+class _RankPart(FileOutput):
+    """A data-parallel rank's output: the rows OUTPUT holds are done; the rest are shared out by rank,
+    and each rank appends its own to its part file (rank 0 alone shows a progress bar)."""
+
+    def __init__(self, output_path: Path):
+        super().__init__(output_path, resume=True, write_to=part_path(output_path, rank()))
+        self.progress = rank() == 0
+
+    def share(self, todo: list) -> list:
+        return todo[rank()::world_size()]
+
+
+class _InStep(JobOutput):
+    """A tensor-parallel rank but 0: runs the rows rank 0 runs (those in `done` are done), writing to `stream`."""
+
+    def __init__(self, stream: IO[str], done: Path | None):
+        super().__init__(stream)
+        self.path = done
+
+    def finished(self) -> dict[str, dict]:
+        return jobs.read_finished(self.path) if self.path is not None else {}
+
+
 def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                             resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job on a model split over the ranks: every rank runs every row in step, rank 0 writes."""
-    from lmcli import jobs
-
     if output_path is not None:
         _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
     if rank() == 0:
@@ -456,31 +389,25 @@ def run_tensor_parallel_job(input_path: Path, output_path: Path | None, settings
     # The other ranks skip the rows rank 0 skips, and write nowhere.
     done = output_path if resume and output_path is not None and output_path.exists() else None
     with open(os.devnull, "w") as nowhere:
-        return jobs.run_job(input_path, None, settings, load=load, batch_size=batch_size, stdout=nowhere,
-                            show_progress=False, done_in=done)
+        return jobs.run_job(input_path, _InStep(nowhere, done), settings, load=load, batch_size=batch_size)
 
 
 def run_data_parallel_job(input_path: Path, output_path: Path | None, settings, *, load, batch_size=None,
                           resume: bool = False, overwrite: bool = False, identity=None):
     """A batch job shared by the ranks of the process group; returns the whole job's JobReport
     (on every rank)."""
-    from lmcli import jobs
-
     if output_path is None:
         raise UsageError("a data-parallel job (torchrun without --tp) needs --output FILE")
 
     _on_rank_0(lambda: _prepare_output(output_path, resume, overwrite))
-    report = jobs.run_job(
-        input_path, part_path(output_path, rank()), settings, load=load, batch_size=batch_size,
-        resume=True, overwrite=True, show_progress=rank() == 0,
-        done_in=output_path if output_path.exists() else None, share=(rank(), world_size()), identity=identity,
-    )
+    report = jobs.run_job(input_path, _RankPart(output_path), settings, load=load, batch_size=batch_size,
+                          identity=identity)
     reports: list[Any] = [None] * world_size()
     dist.all_gather_object(reports, report)  # also waits for every rank to finish
 
     def merge() -> None:
         rows = jobs.read_rows(input_path, settings)
-        _absorb_parts(output_path, {jobs._id_key(row.id): i for i, row in enumerate(rows)})
+        _absorb_parts(output_path, {jobs.id_key(row.id): i for i, row in enumerate(rows)})
 
     _on_rank_0(merge)
     total = jobs.JobReport(rows=report.rows, skipped=report.skipped)

@@ -27,3 +27,10 @@ class GGUFError(CheckpointError):
 
 class TokenizerError(LmcliError):
     """No tokenizer, or a tokenizer that cannot be built."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-line
+    error quotes of a library's exception."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

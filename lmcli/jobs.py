@@ -40,8 +40,8 @@ Job semantics (this is what the README documents):
   model) becomes an output row with an `error` field; the job goes on and exits
   non-zero at the end.
 
-One concern, so one file even past ~450 lines: the job file (its input rows, its output rows, resume).
-Generating the rows is generation/rows.py's, the settings are settings.py's, the progress bar console.py's.
+The output file and resume are here; reading the input is job_input.py's, generating the rows
+generation/rows.py's, the settings settings.py's, the progress bar console.py's.
 """
 
 from __future__ import annotations
@@ -66,147 +66,10 @@ from lmcli.generation.rows import (
     require_chat_template,
     truncation_warning,
 )
-from lmcli.settings import ROW_SETTINGS, GenerationSettings, RowError, input_hash
-
-ROW_FIELDS = ("prompt", "id", *ROW_SETTINGS)
-
-
-
-# ----------------------------------------------------------------------------- input
-
-
-@dataclass
-class JobRow:
-    """One input row: either a prompt with its settings, or an error to report."""
-
-    line: int
-    id: int | str
-    input_hash: str
-    prompt: str | list[dict] | None = None  # chat messages for an OpenAI chat request
-    settings: GenerationSettings | None = None
-    error: str | None = None
-    url: str | None = None  # the OpenAI endpoint; None for an lmcli row
-
-
-def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
-    """Read a job's input: JSONL when the name ends in .jsonl, else one prompt per line."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
-    parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
-    if parse is _parse_jsonl_line and is_openai_file(data):
-        parse = _parse_openai_line
-    rows = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            text = raw.decode("utf-8").removesuffix("\r")
-        except UnicodeDecodeError:
-            rows.append(_bad_row(number, number, "not valid UTF-8", repr(raw), settings))
-            continue
-        rows.append(parse(number, text, settings))
-    _refuse_duplicate_ids(rows)
-    return rows
-
-
-def _parse_text_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    prompt = unescape_line(text)
-    return JobRow(number, number, input_hash(prompt, settings), prompt=prompt, settings=settings)
-
-
-def unescape_line(text: str) -> str:
-    """Plain-text input writes a newline inside a prompt as \\n and a backslash as \\\\."""
-    out, i = [], 0
-    while i < len(text):
-        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "n\\":
-            out.append("\n" if text[i + 1] == "n" else "\\")
-            i += 2
-        else:
-            out.append(text[i])
-            i += 1
-    return "".join(out)
-
-
-def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings)
-    if not isinstance(obj, dict):
-        return _bad_row(number, number, "a row must be a JSON object", text, settings)
-    row_id = obj.get("id", number)
-    if isinstance(row_id, bool) or not isinstance(row_id, (int, str)):
-        return _bad_row(number, number, '"id" must be a string or an integer', text, settings)
-    try:
-        unknown = sorted(set(obj) - set(ROW_FIELDS))
-        if unknown:
-            raise RowError(f'unknown field "{unknown[0]}" (a row may have: {", ".join(ROW_FIELDS)})')
-        prompt = obj.get("prompt")
-        if not isinstance(prompt, str):
-            raise RowError('"prompt" is missing' if prompt is None else '"prompt" must be a string')
-        row_settings = settings.for_row(obj)
-    except RowError as e:
-        return _bad_row(number, row_id, str(e), text, settings, prompt=obj.get("prompt"))
-    return JobRow(number, row_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings)
-
-
-def is_openai_file(data: bytes) -> bool:
-    """Whether a .jsonl file holds OpenAI batch requests: decided by its first row."""
-    from lmcli import openai_batch
-
-    first = next((line for line in data.split(b"\n") if line.strip()), b"")
-    try:
-        return openai_batch.is_request(json.loads(first))
-    except ValueError:
-        return False
-
-
-def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    """An OpenAI batch request (see openai_batch.py); its body's fields rank as a row's do (under the flags)."""
-    from lmcli import openai_batch
-
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        return _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url="?")
-    custom_id = openai_batch.request_id(obj)
-    if custom_id is None:
-        return _bad_row(number, number, '"custom_id" must be a non-empty string', text, settings, url="?")
-    try:
-        url, prompt, overrides, logprobs = openai_batch.parse_request(obj)
-        row_settings = dataclasses.replace(
-            settings.for_row(overrides), chat=url == openai_batch.CHAT, system=None, logprobs=logprobs
-        )
-    except RowError as e:
-        message = openai_batch.in_body_terms(str(e), obj)
-        return _bad_row(number, custom_id, message, text, settings, url=str(obj.get("url")))
-    return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
-
-
-def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> JobRow:
-    prompt = prompt if isinstance(prompt, str) else None
-    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}", url=url)
-
-
-def _id_key(row_id: Any) -> str:
-    # 7 and "7" are different ids; JSON text tells them apart.
-    return json.dumps(row_id)
-
-
-def _refuse_duplicate_ids(rows: list[JobRow]) -> None:
-    seen: dict[str, int] = {}
-    for row in rows:
-        key = _id_key(row.id)
-        if key in seen:
-            raise UsageError(
-                f"input lines {seen[key]} and {row.line} have the same id {key}; ids must be unique"
-                " (a row without an id takes its line number)"
-            )
-        seen[key] = row.line
-
+from lmcli.io.atomic import write_atomically
+from lmcli.job_input import JobRow, id_key, read_rows
+from lmcli.job_input import unescape_line as unescape_line  # part of the job format, documented here
+from lmcli.settings import GenerationSettings, RowError
 
 # ----------------------------------------------------------------------------- output
 
@@ -234,12 +97,72 @@ class RowWriter:
         self.failed += row.get("error") is not None
 
 
+class JobOutput:
+    """Where a job's rows go and which are there already. This one: a stream (stdout by default),
+    nothing done before, no progress bar. FileOutput is --output FILE; lmcli.distributed's ranks
+    bring their own (a part file each, or nowhere)."""
+
+    path: Path | None = None  # the output file the user named: resume checks against it, messages name it
+    progress = False  # whether a progress bar is worth showing (it is silent anyway off a terminal)
+
+    def __init__(self, stream: IO[str] | None = None):
+        self._stream = stream
+
+    def finished(self) -> dict[str, dict]:
+        """The rows done already, by id key (see id_key)."""
+        return {}
+
+    def share(self, todo: list[JobRow]) -> list[JobRow]:
+        """Of the rows still to do, those this process runs."""
+        return todo
+
+    def open(self) -> RowWriter:
+        import sys
+
+        return RowWriter(self._stream or sys.stdout, durable=False)
+
+    def close(self) -> None:
+        pass
+
+
+class FileOutput(JobOutput):
+    """--output FILE: refused if it exists unless resumed (its finished rows kept) or overwritten."""
+
+    progress = True
+
+    def __init__(self, path: Path, resume: bool = False, overwrite: bool = False, write_to: Path | None = None):
+        super().__init__()
+        self.path, self.resume, self.overwrite = path, resume, overwrite
+        self._write_to = write_to or path  # where rows are appended (a data-parallel rank: its part file)
+
+    def finished(self) -> dict[str, dict]:
+        assert self.path is not None
+        if not self.path.exists():
+            return {}
+        if self.resume:
+            return read_finished(self.path)
+        if not self.overwrite:
+            raise UsageError(f"{self.path} already exists; use --resume to finish it or --overwrite to replace it")
+        return {}
+
+    def open(self) -> RowWriter:
+        try:
+            self._stream = open(self._write_to, "a" if self.resume else "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed by close())
+        except OSError as e:
+            raise LmcliError(f"cannot write {self._write_to}: {e.strerror or e}") from None
+        return RowWriter(self._stream, durable=True)
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+
+
 def output_row_key(row: dict) -> tuple[str, bool, dict]:
     """(id key, failed, lmcli's record: input_hash, model, ...) of a row in a job's output, either format."""
     if "custom_id" in row and "response" in row:  # an OpenAI batch response row
         record = row.get("lmcli")
-        return _id_key(row["custom_id"]), row.get("error") is not None, record if isinstance(record, dict) else {}
-    return _id_key(row["id"]), "error" in row, row
+        return id_key(row["custom_id"]), row.get("error") is not None, record if isinstance(record, dict) else {}
+    return id_key(row["id"]), "error" in row, row
 
 
 def read_finished(path: Path) -> dict[str, dict]:
@@ -272,12 +195,7 @@ def read_finished(path: Path) -> dict[str, dict]:
         finished[key] = row
         kept.append(raw)
     if partial or len(kept) != len(lines):
-        temporary = path.with_name(path.name + ".resume-tmp")
-        with open(temporary, "wb") as f:
-            f.write(b"".join(line + b"\n" for line in kept))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temporary, path)
+        write_atomically(path, b"".join(line + b"\n" for line in kept), durable=True)
     return finished
 
 
@@ -297,52 +215,39 @@ class JobReport:
 
 def run_job(
     input_path: Path,
-    output_path: Path | None,
+    output: Path | JobOutput | None,
     settings: GenerationSettings,
     *,
     load: Callable[[], tuple[Any, Any]],
     batch_size: int | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    stdout: IO[str] | None = None,
-    show_progress: bool = True,
-    done_in: Path | None = None,
-    share: tuple[int, int] = (0, 1),
     identity: Callable[[], dict] | None = None,
 ) -> JobReport:
     """Run a batch job; `load()` is only called when some row needs the model.
 
+    `output`: a file (with `resume` / `overwrite`), None for stdout, or a JobOutput.
     `identity()` names the model about to be used ({"name", "fingerprint"}, without loading it): every
     row records it, and --resume refuses an output whose rows came from another model.
-    For data-parallel jobs (lmcli.distributed): rows in `done_in` also count as done, and with
-    `share=(k, n)` this process runs only the k-th of every n rows still to do.
     """
     import sys
 
     from lmcli import openai_batch
 
+    if not isinstance(output, JobOutput):
+        output = JobOutput() if output is None else FileOutput(output, resume, overwrite)
     started = time.perf_counter()
     rows = read_rows(input_path, settings)
     report = JobReport(rows=len(rows))
     model_record = identity() if identity is not None else None
 
-    finished: dict[str, dict] = {}
-    if output_path is not None and output_path.exists():
-        if resume:
-            finished = read_finished(output_path)
-        elif not overwrite:
-            raise UsageError(f"{output_path} already exists; use --resume to finish it or --overwrite to replace it")
-    done_file = output_path
-    if done_in is not None:
-        finished.update(read_finished(done_in))
-        done_file = done_in
+    finished = output.finished()
     if finished:
-        report.orphans = _check_resumable(rows, finished, done_file, model_record)
-    todo = [row for row in rows if _id_key(row.id) not in finished]
+        report.orphans = _check_resumable(rows, finished, output.path, model_record)
+    todo = [row for row in rows if id_key(row.id) not in finished]
     report.skipped = len(rows) - len(todo)
-    part, parts = share
-    todo = todo[part::parts]
-    by_key = {_id_key(row.id): row for row in rows}
+    todo = output.share(todo)
+    by_key = {id_key(row.id): row for row in rows}
     model_name = model_record["name"] if model_record is not None else "lmcli"
 
     def record(row_hash: str, settings_used: GenerationSettings | None, seed: int | None) -> dict:
@@ -356,7 +261,7 @@ def run_job(
         return out
 
     def result_row(result: RowResult) -> dict:
-        row = by_key[_id_key(result.row.id)]
+        row = by_key[id_key(result.row.id)]
         made = record(result.row.input_hash, result.row.settings, result.row.seed)
         if row.url is not None:
             return openai_batch.response_row(str(row.id), row.url, result, model_name, made)
@@ -382,15 +287,7 @@ def run_job(
         out["input_hash"] = row.input_hash
         writer.write(out)
 
-    if output_path is None:
-        stream, durable = (stdout or sys.stdout), False
-    else:
-        try:
-            stream = open(output_path, "a" if resume else "w", encoding="utf-8", newline="\n")  # noqa: SIM115 (closed in the finally below)
-        except OSError as e:
-            raise LmcliError(f"cannot write {output_path}: {e.strerror or e}") from None
-        durable = True
-    writer = RowWriter(stream, durable)
+    writer = output.open()
     progress = JobProgress(0, enabled=False)
     try:
         for row in todo:
@@ -402,7 +299,7 @@ def run_job(
         if pending:
             model, tokenizer = load()
             # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
-            progress = JobProgress(len(todo), writer.rows, enabled=output_path is not None and show_progress)
+            progress = JobProgress(len(todo), writer.rows, enabled=output.progress)
             if any(settings.chat for _, _, settings in pending):
                 require_chat_template(tokenizer)
             prepared = []
@@ -423,15 +320,14 @@ def run_job(
                 progress.advance(len(result.tokens))
 
             def failed(row: PreparedRow, message: str) -> None:
-                write_error(by_key[_id_key(row.id)], message)
+                write_error(by_key[id_key(row.id)], message)
                 progress.advance()
 
             for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
                 _generate_isolating_failures(model, tokenizer, batch, done, failed)
     finally:
         progress.close()
-        if output_path is not None:
-            stream.close()
+        output.close()
     report.written = writer.rows
     report.failed = writer.failed
     report.seconds = time.perf_counter() - started
@@ -471,13 +367,13 @@ def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path,
                 "or use a new --output or --overwrite"
             )
     for row in rows:
-        done = finished.get(_id_key(row.id))
+        done = finished.get(id_key(row.id))
         if done is not None and output_row_key(done)[2].get("input_hash") != row.input_hash:
             raise LmcliError(
-                f"row {_id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
+                f"row {id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
                 " its prompt or settings changed; use a new --output, or --overwrite"
             )
-    input_keys = {_id_key(row.id) for row in rows}
+    input_keys = {id_key(row.id) for row in rows}
     return [key for key in finished if key not in input_keys]
 
 
@@ -486,7 +382,7 @@ def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:
     finished_ids: set[str] = set()
 
     def on_done(result: RowResult) -> None:
-        finished_ids.add(_id_key(result.row.id))
+        finished_ids.add(id_key(result.row.id))
         done(result)
 
     try:
@@ -497,7 +393,7 @@ def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:
             failed(batch[0], _one_line(e))
             return
     for row in batch:
-        if _id_key(row.id) not in finished_ids:
+        if id_key(row.id) not in finished_ids:
             _generate_isolating_failures(model, tokenizer, [row], done, failed)
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lmcli.errors import CheckpointError, ConfigError, UsageError
+from lmcli.errors import CheckpointError, ConfigError, UsageError, first_line
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
@@ -244,8 +244,7 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
         with _uninitialised_parameters():
             built = BaseModel(config) if parallel is None else parallel.build_model()
     except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({reason})") from None
+        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
         floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)

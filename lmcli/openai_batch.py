@@ -20,28 +20,23 @@ import hashlib
 import time
 from typing import Any
 
+from lmcli.decoding import SETTINGS
 from lmcli.settings import RowError
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT, COMPLETIONS)
 
-# Body field -> lmcli row field, for the fields both endpoints share.
-SETTINGS_FIELDS = {
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",  # a vLLM extension
-    "seed": "seed",
-    "stop": "stop",
-}
+# Body field -> lmcli row field, for the fields both endpoints share (lmcli.decoding's table names them).
+SETTINGS_FIELDS = {body: name for name, setting in SETTINGS.items() for body in setting.openai}
 # Accepted and without effect here: the model is whatever lmcli loaded; "user" is a tag for the API's logs.
 IGNORED_FIELDS = ("model", "user")
-# Accepted only at the value that means "nothing special".
+# Accepted only at the value that means "nothing special" (OpenAI's penalties and logit_bias are taken
+# only when off: lmcli's row fields of the same name are not offered through this API).
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "n": (1,), "stream": (False,), "echo": (False,), "best_of": (1,), "suffix": (None,),
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": (None, {}),
+    "presence_penalty": (SETTINGS["presence_penalty"].off,), "frequency_penalty": (SETTINGS["frequency_penalty"].off,),
+    "logit_bias": (None, {}),
 }
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs")
 COMPLETION_FIELDS = ("prompt", "logprobs")

@@ -14,9 +14,10 @@ The model's defaults come from `generation_config.json` (HF directories) or the 
 `general.sampling.*` keys (`read_model_defaults`). Each setting remembers where it came from
 (`sources`), which `lmcli info`, `--stats` and JSONL rows show.
 
-The sampling rules themselves (ranges, what applies only when sampling) live in
-lmcli.generation.sampling; here they are only named as the user wrote them: `--top-p` for a flag,
-`"top_p"` for a row, the file and key for a model's default.
+Each setting's type, range, off value and names are lmcli.decoding's table; here its rules are
+applied at each edge (flags, job rows, chat transcripts, the model's files) and named as the user wrote
+them: `--top-p` for a flag, `"top_p"` for a row, the file and key for a model's default. A
+GenerationSettings is checked whenever one is made, `dataclasses.replace` included, so none breaks a rule.
 """
 
 from __future__ import annotations
@@ -24,48 +25,31 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from lmcli.decoding import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
+from lmcli.decoding import (
+    FLAG_NAMES,
+    SAMPLING_ONLY,
+    SETTINGS,
+    SWITCH,
+    DecodingFields,
+    SamplingError,
+    check_settings,
+    check_truncation,
+)
+from lmcli.decoding import ROW_SETTINGS as ROW_SETTINGS
 from lmcli.errors import LmcliError, UsageError
-from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS, Constraint, ConstraintError, one_constraint
-from lmcli.generation.decoding_fields import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
-from lmcli.generation.decoding_fields import WARPERS, DecodingFields
+from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS, KINDS, Constraint, one_constraint
+from lmcli.model_defaults import MODEL_SETTINGS, ModelDefaults, checked_model_defaults
+from lmcli.model_defaults import read_model_defaults as read_model_defaults
 
 DEFAULT_TEMPERATURE = 0.8
-
-# How each setting is named to the user, on the command line and in a JSONL row.
-FLAG_NAMES = {
-    "max_new_tokens": "--max-new-tokens",
-    "temperature": "--temperature",
-    "top_k": "--top-k",
-    "top_p": "--top-p",
-    "min_p": "--min-p",
-    "typical_p": "--typical-p",
-    "repetition_penalty": "--repetition-penalty",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "no_repeat_ngram_size": "--no-repeat-ngram-size",
-    "min_new_tokens": "--min-new-tokens",
-    "logit_bias": "--logit-bias",
-    "seed": "--seed",
-    "stop": "--stop",
-    "system": "--system",
-    "logprobs": "--logprobs",
-    "constraint": "--json-schema/--json/--regex/--grammar",
-}
-# Settings a JSONL row may set (besides "prompt" and "id").
-ROW_SETTINGS = ("seed", "max_new_tokens", "temperature", "top_k", "top_p", "min_p", "typical_p",
-                "repetition_penalty", "presence_penalty", "frequency_penalty", "no_repeat_ngram_size",
-                "min_new_tokens", "logit_bias", "stop", "system", "json_schema", "json", "regex", "grammar")
-INTEGER_SETTINGS = ("seed", "max_new_tokens", "top_k", "no_repeat_ngram_size", "min_new_tokens")
-NUMBER_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+# A job row's settings: the table's, and the structured-output keys, which make the one `constraint`.
+JOB_ROW_SETTINGS = (*ROW_SETTINGS, *KINDS)
 TRUNCATION = ("top_k", "top_p")  # one unit: a layer that sets either replaces both
-# What the model's own defaults may set.
-MODEL_SETTINGS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty", "max_new_tokens")
 
 DEFAULT, FLAG, ROW = "lmcli default", "flag", "row"
 
@@ -74,21 +58,22 @@ class RowError(ValueError):
     """A problem with one input row; it becomes that row's `error` and the job goes on."""
 
 
-@dataclass(frozen=True)
-class ModelDefaults:
-    """The sampling settings a checkpoint asks for, and the file (and keys) they came from."""
+class InvalidSettings(LmcliError, ValueError):
+    """GenerationSettings that would break a rule. Its message names the setting by where it came from;
+    `message_for` names it as a caller's user wrote it."""
 
-    values: Mapping[str, Any] = field(default_factory=dict)
-    source: str = ""  # e.g. "generation_config.json"
+    def __init__(self, problem: SamplingError, note: str, name: Callable[[str], str]):
+        self.problem, self.note = problem, note
+        super().__init__(self.message_for(name))
 
-    def __bool__(self) -> bool:
-        return bool(self.values)
+    def message_for(self, name: Callable[[str], str]) -> str:
+        return self.problem.message_for(name) + self.note
 
 
 @dataclass(frozen=True)
 class GenerationSettings(DecodingFields):
     """Everything that decides a completion besides the prompt and the model: the decoding fields
-    (lmcli.generation.decoding_fields) and the ones below. Validated on creation."""
+    (lmcli.decoding.DecodingFields) and the ones below. Checked on creation (InvalidSettings)."""
 
     temperature: float = DEFAULT_TEMPERATURE  # lmcli's default (the field keeps its place among the decoding fields)
     logit_bias: tuple[tuple[str, float], ...] = ()  # (token as text or as an id, bias), resolved with the tokenizer
@@ -104,8 +89,35 @@ class GenerationSettings(DecodingFields):
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        """Every setting by its rule (lmcli.decoding), normalised in place (a float for a number, a tuple
+        for a list); InvalidSettings for the first that breaks one."""
+        try:
+            if not isinstance(self.sources, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.sources.items()):
+                raise SamplingError("sources", "must map setting names to where each came from", self.sources)
+            if not isinstance(self.model_defaults, ModelDefaults):
+                raise SamplingError("model_defaults", "must be a ModelDefaults", self.model_defaults)
+            checked = check_settings({name: getattr(self, name) for name in SETTINGS})
+            if self.system is not None and not self.chat:
+                raise SamplingError("system", "only applies with --chat")
+        except SamplingError as e:
+            raise InvalidSettings(e, self._greedy_note(e), self._name_by_source) from None
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+
+    def _greedy_note(self, problem: SamplingError) -> str:
+        where = self.source("temperature")
+        if self.greedy and problem.setting in SAMPLING_ONLY and where not in (FLAG, ROW, DEFAULT):
+            return f" ({where} asks for greedy decoding; give a --temperature to sample)"
+        return ""
+
     def source(self, name: str) -> str:
         return self.sources.get(name, DEFAULT)
+
+    def changed(self, name: Callable[[str], str], error: type[Exception], **changes: Any) -> GenerationSettings:
+        """These settings with `changes`; raises `error` naming the setting that breaks a rule with `name`."""
+        return _made(lambda: dataclasses.replace(self, **changes), error, name)
 
     @classmethod
     def from_flags(cls, *, greedy: bool = False, temperature: float | None = None,
@@ -115,8 +127,6 @@ class GenerationSettings(DecodingFields):
             raise UsageError(f"--greedy and --temperature {temperature:g} contradict each other; pick one")
         if greedy:
             temperature = 0.0
-        if values.get("system") is not None and not values.get("chat"):
-            raise UsageError("--system only applies with --chat")
         if values.get("constraint") is not None and values.get("ignore_eos"):
             raise UsageError("--ignore-eos cannot be combined with a constraint: its end is the end of the text")
         given = {name: value for name, value in values.items() if value is not None}
@@ -126,59 +136,40 @@ class GenerationSettings(DecodingFields):
                 if not given[name]:
                     del given[name]
         if temperature is not None:
-            given["temperature"] = float(temperature)
+            given["temperature"] = temperature
         if max_new_tokens is not None:
             given["max_new_tokens"] = max_new_tokens
-        _check_truncation_layer(given, lambda name: FLAG_NAMES[name], UsageError)
-        sources = {name: FLAG for name in given if name in FLAG_NAMES}
-        settings = cls(**given, sources=sources)
-        settings.check(lambda name: FLAG_NAMES[name], UsageError)
-        return settings
+        # A switch is always given (off unless typed), so it has no source worth telling.
+        sources = {name: FLAG for name in given if SETTINGS[name].kind != SWITCH}
+
+        def make() -> GenerationSettings:
+            check_truncation(given.get("top_k"), given.get("top_p"))
+            return cls(**given, sources=sources)
+
+        return _made(make, UsageError, _flag_name)
 
     def for_row(self, row: dict) -> GenerationSettings:
         """These settings with a JSONL row's fields, which fill what no flag set; raises RowError naming
         the field. Every field the row gives is checked (on its own, as one layer), even one a flag
         overrides; an overridden field is then dropped silently."""
-        changes: dict[str, Any] = {}
-        for name in INTEGER_SETTINGS:
-            if name in row:
-                changes[name] = _row_int(row, name)
-        for name in NUMBER_SETTINGS:
-            if name in row:
-                changes[name] = float(_row_number(row, name))
-        _check_truncation_layer(changes, lambda name: f'"{name}"', RowError)
-        if "stop" in row:
-            stop = row["stop"]
-            if isinstance(stop, str):
-                stop = [stop]
-            if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-                raise RowError('"stop" must be a string or a list of strings')
-            changes["stop"] = tuple(stop)
-        if "logit_bias" in row:
-            bias = row["logit_bias"]
-            if not isinstance(bias, dict) or not all(_is_number(v) for v in bias.values()):
-                raise RowError('"logit_bias" must be an object of token (text or id) to bias, e.g. {"13": -100}')
-            changes["logit_bias"] = tuple((str(token), float(value)) for token, value in bias.items())
-        if "system" in row:
-            if not isinstance(row["system"], str):
-                raise RowError('"system" must be a string')
-            if not self.chat:
-                raise RowError('"system" only applies with --chat')
-            changes["system"] = row["system"]
-        if any(kind in row for kind in ("json_schema", "json", "regex", "grammar")):
-            try:
-                changes["constraint"] = one_constraint(row, lambda kind: f'"{kind}"')
-            except ConstraintError as e:
-                raise RowError(str(e)) from None
-        # The row on its own, as a layer (as a model's defaults are checked): its values are its own
-        # business whether or not a flag overrides them.
-        GenerationSettings(**changes, chat=self.chat).check(lambda name: f'"{name}"', RowError)
+
+        def own() -> dict[str, Any]:
+            values = {name: SETTINGS[name].from_json(row[name]) for name in ROW_SETTINGS if name in row}
+            check_truncation(values.get("top_k"), values.get("top_p"))
+            if any(kind in row for kind in KINDS):  # ConstraintError: one line naming the row's key
+                values["constraint"] = one_constraint(row, _row_name)
+            # The row on its own, as a layer (as a model's defaults are checked): its values are its own
+            # business whether or not a flag overrides them.
+            GenerationSettings(**values, chat=self.chat)
+            return values
+
+        changes = _made(own, RowError, _row_name)
         # A flag wins: the row's value for anything a flag set is dropped (silently; see the module doc).
         flagged = {name for name, where in self.sources.items() if where == FLAG}
         if flagged & set(TRUNCATION):
             flagged |= set(TRUNCATION)  # the flags' truncation stands whole
         if self.source("temperature") == FLAG and self.temperature == 0:
-            flagged |= set(WARPERS)  # a greedy flag makes every row greedy
+            flagged |= set(SAMPLING_ONLY)  # a greedy flag makes every row greedy
         changes = {name: value for name, value in changes.items() if name not in flagged}
         given = set(changes)
         sources = dict(self.sources)
@@ -192,25 +183,22 @@ class GenerationSettings(DecodingFields):
         if changes.get("temperature") == 0:
             # A greedy row (no temperature flag): sampling-only settings it did not give itself have no
             # effect, whether from the flags or the model's or lmcli's defaults; drop them.
-            for name in WARPERS:
+            for name in SAMPLING_ONLY:
                 if name not in given:
                     changes[name] = None
                     sources.pop(name, None)
-        settings = dataclasses.replace(self, **changes, sources=sources)._with_model_layer()
-        settings.check(settings._name_by_source, RowError)
-        return settings
+        return _made(lambda: self._over_model(changes, sources, self.model_defaults), RowError)
 
     def with_model_defaults(self, defaults: ModelDefaults) -> GenerationSettings:
         """These settings over the model's own defaults (which fill only what no flag or row set)."""
-        settings = dataclasses.replace(self, model_defaults=defaults)._with_model_layer()
-        settings.check(self._name_by_source, LmcliError)
-        return settings
+        return _made(lambda: self._over_model({}, self.sources, defaults), LmcliError)
 
-    def _with_model_layer(self) -> GenerationSettings:
-        """Refill, from the model's defaults, every setting that only has lmcli's default."""
-        defaults = self.model_defaults
-        changes: dict[str, Any] = {}
-        sources = {name: where for name, where in self.sources.items() if where in (FLAG, ROW)}
+    def _over_model(self, changes: Mapping[str, Any], sources: Mapping[str, str],
+                    defaults: ModelDefaults) -> GenerationSettings:
+        """These settings with `changes` (from `sources`), over `defaults`: every setting that only has
+        lmcli's default is refilled from the model's. Made (and so checked) once."""
+        changes = dict(changes)
+        sources = {name: where for name, where in sources.items() if where in (FLAG, ROW)}
         for name in MODEL_SETTINGS:
             if sources.get(name) in (FLAG, ROW):
                 continue
@@ -225,53 +213,40 @@ class GenerationSettings(DecodingFields):
                 changes[name] = _LMCLI_DEFAULTS.get(name)
         temperature = changes.get("temperature", self.temperature)
         if temperature == 0:  # greedy: the model's sampling-only settings do not apply
-            for name in WARPERS:
+            for name in SAMPLING_ONLY:
                 if sources.get(name) == defaults.source:
                     changes[name] = None
                     del sources[name]
-        return dataclasses.replace(self, **changes, sources=sources)
+        return dataclasses.replace(self, **changes, sources=sources, model_defaults=defaults)
+
+    def resumed(self, saved: Mapping[str, Any], allowed: Collection[str], explicit: Collection[str], where: str,
+                error: type[Exception]) -> GenerationSettings:
+        """These settings under a chat transcript's saved ones (`allowed` by name), except those given on
+        the command line this time (`explicit`). Each saved field is checked by its rule and type; a
+        bad one is refused with `error`, naming it and `where` (the file)."""
+        name = lambda setting: f'"{setting}" in {where}'  # noqa: E731
+        unknown = sorted(key for key in saved if key not in allowed or key not in (*SETTINGS, *_SAVED_EXTRAS))
+        if unknown:
+            raise error(f"{where}: unknown setting '{unknown[0]}' in \"settings\"")
+
+        def values() -> dict[str, Any]:
+            return {key: _SAVED_EXTRAS[key](value, where) if key in _SAVED_EXTRAS else _saved_value(key, value)
+                    for key, value in saved.items() if key not in explicit}
+
+        changes = _made(values, error, name)
+        return _made(lambda: dataclasses.replace(self, **changes), error, name)
 
     def _name_by_source(self, name: str) -> str:
         where = self.source(name)
         if where == FLAG:
-            return FLAG_NAMES[name]
+            return _flag_name(name)
         if where == ROW:
-            return f'"{name}"'
-        return f"{name} (from {where})"
-
-    @property
-    def sampling(self):
-        """The sampling part, for lmcli.generation.sampling (logit_bias as given, not yet token ids)."""
-        from lmcli.generation.sampling import SamplingSettings
-
-        return SamplingSettings(**self._decoding(), seed=self.seed)
+            return _row_name(name)
+        return name if where == DEFAULT else f"{name} (from {where})"
 
     def _decoding(self) -> dict[str, Any]:
         """The decoding fields' values, by name, in their order."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingFields)}
-
-    def check(self, name: Callable[[str], str], error: type[Exception]) -> None:
-        """Raise `error` with one line saying which setting is wrong and why."""
-        from lmcli.generation.sampling import SamplingError, check_logit_bias
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise error(f"{name('max_new_tokens')} must be at least 1, got {self.max_new_tokens}")
-        try:
-            self.sampling.check()
-        except SamplingError as e:
-            message = e.message_for(name)
-            if e.setting in WARPERS and self.source("temperature") not in (FLAG, ROW, DEFAULT):
-                message += f" ({self.source('temperature')} asks for greedy decoding; give a --temperature to sample)"
-            raise error(message) from None
-        for token, bias in self.logit_bias:  # the tokens become ids with the tokenizer; the biases are checked now
-            try:
-                check_logit_bias({0: bias})
-            except SamplingError as e:
-                raise error(f"{name('logit_bias')} {e.requirement}, got {token}={bias:g}") from None
-        if any(s == "" for s in self.stop):
-            raise error(f"{name('stop')} must not be an empty string")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise error(f"{name('logprobs')} must be >= 0, got {self.logprobs}")
 
     def logit_bias_ids(self, tokenizer, vocab_size: int) -> dict[int, float]:
         """{token id: bias}: a token given as digits is an id, any other as text that must be one token."""
@@ -308,7 +283,7 @@ class GenerationSettings(DecodingFields):
     def described(self) -> list[tuple[str, str, str]]:
         """(setting, value, where it came from) for each decoding setting, as `lmcli info` shows them."""
         rows = []
-        for name in ("max_new_tokens", "temperature", *WARPERS, "repetition_penalty"):
+        for name in ("max_new_tokens", "temperature", *SAMPLING_ONLY, "repetition_penalty"):
             value = getattr(self, name)
             shown = "off" if value is None else ("0 (greedy)" if name == "temperature" and value == 0 else f"{value:g}")
             rows.append((name, shown, self.source(name)))
@@ -318,28 +293,53 @@ class GenerationSettings(DecodingFields):
 _LMCLI_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationSettings) if f.name in MODEL_SETTINGS}
 
 
-def _check_truncation_layer(values: Mapping[str, Any], name: Callable[[str], str], error: type[Exception]) -> None:
-    """One layer (the flags, or a row) may not set both top-k and top-p; a model's defaults may."""
-    if values.get("top_k") is not None and values.get("top_p") is not None:
-        raise error(f"{name('top_k')} and {name('top_p')} cannot be used together; pick one")
+def _flag_name(name: str) -> str:
+    return FLAG_NAMES.get(name, name)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _row_name(name: str) -> str:
+    return f'"{name}"'
 
 
-def _row_int(row: dict, name: str) -> int:
-    value = row[name]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RowError(f'"{name}" must be an integer, got {json.dumps(value)}')
+def _made(make: Callable[[], Any], error: type[Exception], name: Callable[[str], str] | None = None) -> Any:
+    """make(), with a broken rule raised as `error`, naming the setting with `name` (by default, by
+    where each setting came from)."""
+    try:
+        return make()
+    except InvalidSettings as e:
+        raise error(e.message_for(name) if name is not None else str(e)) from None
+    except SamplingError as e:
+        raise error(e.message_for(name or str)) from None
+    except LmcliError as e:  # a model's defaults, saved in a transcript
+        raise error(str(e)) from None
+
+
+def _saved_value(name: str, value: Any) -> Any:
+    """A transcript's setting as /save wrote it (JSON null for one not set; logit_bias as pairs)."""
+    pairs = name == "logit_bias" and isinstance(value, list)
+    if pairs and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in value):
+        value = dict(value)  # anything else is refused as not an object, below
+    return SETTINGS[name].from_json(value, null=True)
+
+
+def _saved_sources(value: Any, where: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(k in SETTINGS and isinstance(v, str) for k, v in value.items()):
+        raise SamplingError("sources", "must be an object of setting name to where it came from",
+                            shown=json.dumps(value, default=repr))
     return value
 
 
-def _row_number(row: dict, name: str) -> float:
-    value = row[name]
-    if not _is_number(value):
-        raise RowError(f'"{name}" must be a number, got {json.dumps(value)}')
-    return value
+def _saved_model_defaults(value: Any, where: str) -> ModelDefaults:
+    if (not isinstance(value, dict) or set(value) - {"values", "source"} or not isinstance(value.get("values", {}), dict)
+            or not isinstance(value.get("source", ""), str)):
+        raise SamplingError("model_defaults", 'must be an object {"values": {setting: value}, "source": file}',
+                            shown=json.dumps(value, default=repr))
+    checked = checked_model_defaults(value.get("values", {}), f'{where}: "model_defaults"')
+    return ModelDefaults(checked.values, value.get("source", ""))
+
+
+# What a transcript saves besides the settings themselves.
+_SAVED_EXTRAS: dict[str, Callable[[Any, str], Any]] = {"sources": _saved_sources, "model_defaults": _saved_model_defaults}
 
 
 def parse_logit_bias(specs: list[str] | None) -> tuple[tuple[str, float], ...]:
@@ -362,71 +362,3 @@ def input_hash(prompt: Any, settings: GenerationSettings) -> str:
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.compare}
     payload = json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- the model's own defaults
-
-# generation_config.json keys that are lmcli settings of the same name, and their "off" values.
-_HF_OFF = {"top_k": 0, "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "min_p": 0.0}
-# llama.cpp's GGUF keys (general.sampling.*) and the lmcli setting each one is.
-_GGUF_KEYS = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-              "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
-              "general.sampling.penalty_repeat": "repetition_penalty"}
-
-
-def read_model_defaults(checkpoint: str | Path | None, model_name: str | None = None) -> ModelDefaults:
-    """The sampling defaults a checkpoint ships: generation_config.json beside an HF directory or a
-    .safetensors file, or a .gguf file's general.sampling.* keys; None is the embedded default model.
-    A model given only by name (no checkpoint) has none read here: its files are found at load."""
-    if checkpoint is None and model_name is not None:
-        return ModelDefaults()
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = default_checkpoint_path()
-    path = Path(checkpoint)
-    if path.suffix == ".gguf" and path.is_file():
-        return _gguf_defaults(path)
-    directory = path if path.is_dir() else path.parent
-    config = directory / "generation_config.json"
-    return _hf_defaults(config) if config.is_file() else ModelDefaults()
-
-
-def _hf_defaults(path: Path) -> ModelDefaults:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise LmcliError(f"cannot read {path}: {e}") from None
-    if not isinstance(data, dict):
-        raise LmcliError(f"{path}: not a JSON object")
-    values = {name: data[name] for name in MODEL_SETTINGS if data.get(name) is not None}
-    values = {name: value for name, value in values.items() if value != _HF_OFF.get(name)}
-    if data.get("do_sample") is False:
-        values["temperature"] = 0.0  # transformers decodes greedily then, whatever the temperature says
-    return _checked(values, str(path))
-
-
-def _gguf_defaults(path: Path) -> ModelDefaults:
-    from lmcli.io.gguf_reader import read_gguf_metadata
-
-    metadata = read_gguf_metadata(path)
-    values = {setting: metadata[key] for key, setting in _GGUF_KEYS.items() if key in metadata}
-    # llama.cpp treats top_k <= 0, top_p >= 1, min_p <= 0 and penalty 1 as off.
-    off = {"top_k": lambda v: v <= 0, "top_p": lambda v: v >= 1, "min_p": lambda v: v <= 0,
-           "repetition_penalty": lambda v: v == 1}
-    values = {name: value for name, value in values.items() if not (name in off and _is_number(value) and off[name](value))}
-    return _checked(values, f"{path.name} (general.sampling)")
-
-
-def _checked(values: dict[str, Any], source: str) -> ModelDefaults:
-    """The model's values, checked by the same rules as a flag's; an error names the file and key."""
-    for name in ("top_k", "max_new_tokens"):
-        if _is_number(values.get(name)) and float(values[name]).is_integer():
-            values[name] = int(values[name])
-    for name in ("temperature", "top_p", "min_p", "typical_p", "repetition_penalty"):
-        if _is_number(values.get(name)):
-            values[name] = float(values[name])
-    # A greedy model's sampling-only values are checked as if it sampled (they apply once a flag samples).
-    probe = GenerationSettings(**{**values, "temperature": values.get("temperature") or 1.0})
-    probe.check(lambda name: f"{source}: {name}", LmcliError)
-    return ModelDefaults(values, source)

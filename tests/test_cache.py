@@ -210,3 +210,93 @@ def test_a_half_precision_model_caches_in_its_own_dtype(tmp_path):
     for do_sample in (False, True):
         out = model.generate(ids, 12, do_sample, attention_mask=mask, seed=[1, 2])
         assert out.shape == (2, ids.shape[1] + 12) and ((out >= 0) & (out < VOCAB)).all()
+
+
+# --- trimming: a rollback equals never having fed the tokens ---------------------------------------
+
+
+def feed(model, cache, ids, slot_is_token, start, end):
+    """Logits [B, end - start, V] for columns start..end-1, with the cache holding columns before start."""
+    from lmcli.generation.loop import positions_from_mask
+
+    positions = positions_from_mask(slot_is_token[:, :end])[:, start:end]
+    return model.forward_slots(ids[:, start:end], positions, torch.arange(start, end), slot_is_token, cache)
+
+
+@pytest.mark.parametrize(("case", "rollback", "draft"), [
+    ("llama", 0, 4),  # static: any number of tokens
+    ("mistral", 0, 1),  # a ring of exactly the window: the one slot the next write reuses
+    ("gemma2", 3, 4),  # rings with 3 spare slots beside a static layer
+])
+def test_trim_then_feed_equals_a_fresh_run_of_the_shorter_text(tiny_models, case, rollback, draft):
+    """A draft fed token by token, trimmed, then other tokens fed (a chunk, then one): every logit equals
+    a fresh cache fed the shorter text, and the model without a cache."""
+    model = tiny_models(case)
+    ids, mask = left_pad(prompts([7, 10], seed=3))
+    width = ids.shape[1]
+    (draft_ids, other_ids) = (torch.randint(3, VOCAB, (2, n), generator=torch.Generator().manual_seed(n))
+                              for n in (draft, 3))
+    length = width + max(draft, 3)
+    slot_is_token = torch.cat([mask.bool(), torch.ones(2, length - width, dtype=torch.bool)], 1)
+    drafted = torch.cat([ids, draft_ids, torch.zeros(2, length - width - draft, dtype=torch.long)], 1)
+    other = torch.cat([ids, other_ids, torch.zeros(2, length - width - 3, dtype=torch.long)], 1)
+    max_length = 24
+    window = model.config.sliding_window
+    with torch.inference_mode():
+        cache = model.init_cache(2, max_length, rollback=rollback)
+        if window is not None:
+            assert any(isinstance(layer, RollingKVCache) for layer in cache.layers)
+        feed(model, cache, drafted, slot_is_token, 0, width)
+        for column in range(width, width + draft):
+            feed(model, cache, drafted, slot_is_token, column, column + 1)
+        assert cache.is_trimmable() and cache.trimmable() >= draft
+        assert cache.trim(draft) == draft
+        trimmed = torch.cat([feed(model, cache, other, slot_is_token, width, width + 2),
+                             feed(model, cache, other, slot_is_token, width + 2, width + 3)], 1)
+
+        fresh_cache = model.init_cache(2, max_length, rollback=rollback)
+        feed(model, fresh_cache, other, slot_is_token, 0, width)
+        fresh = torch.cat([feed(model, fresh_cache, other, slot_is_token, width, width + 2),
+                           feed(model, fresh_cache, other, slot_is_token, width + 2, width + 3)], 1)
+        uncached = model(other[:, :width + 3], slot_is_token[:, :width + 3].long())[:, width:]
+    assert torch.equal(trimmed, fresh)
+    torch.testing.assert_close(trimmed, uncached, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("window", "spare"), [(4, 0), (4, 3), (5, 1)])
+def test_a_ring_can_be_trimmed_exactly_as_far_as_it_keeps_the_next_window(window, spare):
+    """trimmable() is how many tokens (any count up to it) can be forgotten with every key the next query
+    needs still held, found here by trying each count; trim() forgets no more than that."""
+    ring = RollingKVCache(1, 1, window, 2, torch.float32, torch.device("cpu"), spare=spare)
+    k = torch.zeros(1, 1, 1, 2)
+    for length in range(1, 3 * (window + spare)):
+        ring.update(k, k, torch.tensor([length - 1]))
+        held = set(ring.slots.tolist()) - {-1}
+        assert held == set(range(max(0, length - window - spare), length))
+
+        def can_forget(n, held=held, length=length):
+            start = length - n  # the next query's slot
+            return n <= length and set(range(max(0, start - window + 1), start)) <= held
+
+        expected = 0  # trimming is by any count up to trimmable(): the first count that cannot, less one
+        while expected < length and can_forget(expected + 1):
+            expected += 1
+        assert ring.trimmable() == expected and ring.is_trimmable() == (expected > 0)
+    copy = RollingKVCache(1, 1, window, 2, torch.float32, torch.device("cpu"), spare=spare)
+    copy.slots = ring.slots.clone()
+    assert copy.trim(expected + 5) == expected
+    assert sorted(set(copy.slots.tolist()) - {-1}) == sorted(s for s in held if s < length - expected)
+    assert copy.trimmable() == 0 or spare > 0  # a ring of exactly the window: once, then not again
+
+
+def test_a_static_cache_trims_whatever_it_holds():
+    cache = KVCache(1, 1, 10, 2, torch.float32, torch.device("cpu"))
+    assert not cache.is_trimmable() and cache.trim(3) == 0
+    cache.update(torch.zeros(1, 1, 6, 2), torch.zeros(1, 1, 6, 2), torch.arange(6))
+    assert cache.trimmable() == 6
+    assert cache.trim(2) == 2 and cache.trimmable() == 4
+    assert cache.trim(9) == 4 and not cache.is_trimmable()
+    with torch.inference_mode():  # as generate() makes them; a chat trims later, outside inference mode
+        made = KVCache(1, 1, 10, 2, torch.float32, torch.device("cpu"))
+        made.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2), torch.arange(3))
+    assert made.trim(1) == 1 and made.trimmable() == 2

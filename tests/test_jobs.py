@@ -14,7 +14,7 @@ import torch
 from lmcli import streaming
 from lmcli.errors import LmcliError, UsageError
 from lmcli.generation.rows import PreparedRow, plan_batches
-from lmcli.jobs import read_finished, read_rows, run_job, unescape_line
+from lmcli.jobs import JobOutput, read_finished, read_rows, run_job, unescape_line
 from lmcli.settings import GenerationSettings, ModelDefaults, RowError, input_hash
 from lmcli.streaming import RowText, StopMatcher
 
@@ -300,7 +300,7 @@ def job(tmp_path, input_path, output, **kwargs):
     settings = kwargs.pop("settings", None) or GenerationSettings.from_flags().with_model_defaults(
         ModelDefaults({"max_new_tokens": 4}, "generation_config.json"))
     return run_job(input_path, output, settings, load=lambda: (FakeModel(), ByteTokenizer()), batch_size=2,
-                   show_progress=False, **kwargs)
+                   **kwargs)
 
 
 def read_jsonl(path):
@@ -374,7 +374,7 @@ def test_job_with_nothing_to_do_does_not_load_the_model(tmp_path, byte_decoder):
         raise AssertionError("loaded the model for a job with no valid rows")
 
     out = tmp_path / "out.jsonl"
-    report = run_job(source, out, GenerationSettings.from_flags(), load=load, batch_size=2, show_progress=False)
+    report = run_job(source, out, GenerationSettings.from_flags(), load=load, batch_size=2)
     assert report.failed == 1
 
 
@@ -385,8 +385,7 @@ def test_job_to_stdout_and_logprobs(tmp_path, byte_decoder):
     source.write_text("hi\n")
     stream = io.StringIO()
     settings = GenerationSettings.from_flags(max_new_tokens=2, logprobs=2, greedy=True)
-    run_job(source, None, settings, load=lambda: (FakeModel(), ByteTokenizer()), batch_size=4, stdout=stream,
-            show_progress=False)
+    run_job(source, JobOutput(stream), settings, load=lambda: (FakeModel(), ByteTokenizer()), batch_size=4)
     [row] = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert len(row["logprobs"]) == 2
     first = row["logprobs"][0]
@@ -408,7 +407,7 @@ def test_a_row_that_fails_in_generate_fails_alone(tmp_path, byte_decoder):
     source.write_text("fine\nbad!\nalso fine\nok\n")
     out = tmp_path / "out.jsonl"
     report = run_job(source, out, GenerationSettings.from_flags(max_new_tokens=3), load=lambda: (PickyModel(), ByteTokenizer()),
-                     batch_size=4, show_progress=False)
+                     batch_size=4)
     rows = {r["id"]: r for r in read_jsonl(out)}
     assert sorted(rows) == [1, 2, 3, 4] and report.failed == 1
     assert rows[2]["error"] == "ValueError: prompt too long for this model" and rows[2]["prompt"] == "bad!"

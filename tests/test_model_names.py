@@ -246,3 +246,51 @@ def test_pull_and_the_gemma_name_on_the_real_package(monkeypatch):
     assert Path(result.stdout.strip()) == path
     assert model_names.resolve("gemma-3-270m") == (path, "gemma-3-270m")
     assert os.path.getsize(path) > 100 << 20
+
+
+# ----------------------------------------------------------------------------- hub layouts without a plain main ref
+
+
+def _age(snapshot: Path, seconds_ago: float) -> None:
+    stamp = os.stat(snapshot).st_mtime - seconds_ago
+    os.utime(snapshot, (stamp, stamp))
+
+
+def test_several_snapshots_without_a_main_ref_take_the_newest(places, tiny_checkpoint):
+    _, hub = places
+    older = hub_repo(hub, "TinyOrg/tiny-llama", tiny_checkpoint, commit="1" * 40, refs=())
+    newer = hub_repo(hub, "TinyOrg/tiny-llama", tiny_checkpoint, commit="2" * 40, refs=())
+    oldest = hub_repo(hub, "TinyOrg/tiny-llama", tiny_checkpoint, commit="3" * 40, refs=())
+    _age(older, 200)
+    _age(oldest, 400)
+    _age(newer, 0)
+    assert model_names.resolve("TinyOrg/tiny-llama")[0] == newer
+    _age(newer, 600)  # now "1" is the newest written
+    assert model_names.resolve("TinyOrg/tiny-llama")[0] == older
+
+
+def test_refs_main_wins_over_a_newer_snapshot(places, tiny_checkpoint):
+    _, hub = places
+    pinned = hub_repo(hub, "TinyOrg/tiny-llama", tiny_checkpoint, commit="1" * 40, refs=("main",))
+    newest = hub_repo(hub, "TinyOrg/tiny-llama", tiny_checkpoint, commit="2" * 40, refs=("dev",))
+    _age(pinned, 1000)
+    assert model_names.resolve("TinyOrg/tiny-llama")[0] == pinned
+    assert model_names.resolve("TinyOrg/tiny-llama@dev")[0] == newest
+
+
+def test_a_changed_generation_config_is_another_model_for_resume(tmp_path, tiny_checkpoint):
+    """The model's defaults decide rows, so its generation_config.json is part of the fingerprint."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoint, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.5}))
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text('{"id": 1, "prompt": "Hello"}\n{"id": 2, "prompt": "World"}\n')
+    runner = CliRunner()
+    flags = ["generate", "-c", str(copy), "-n", "2", "--input", str(source), "--output", str(out)]
+    assert runner.invoke(app, flags).exit_code == 0
+    first = json.loads(out.read_text().splitlines()[0])
+    out.write_text(out.read_text().splitlines(keepends=True)[0])
+    (copy / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.9}))
+    result = runner.invoke(app, [*flags, "--resume"])
+    assert result.exit_code == 1 and "came from another model" in result.stderr, result.output
+    assert first["model"]["fingerprint"] in result.stderr

@@ -168,3 +168,23 @@ def test_bad_new_flags_are_usage_errors_naming_the_flag(flags, message):
     with pytest.raises(UsageError) as error:
         GenerationSettings.from_flags(**flags)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# Each generation_config.json / GGUF key at the value that means "off" there, written out here.
+HF_OFF_VALUES = [("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("typical_p", 1.0), ("repetition_penalty", 1.0)]
+GGUF_OFF_VALUES = [("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("penalty_repeat", 1.0)]
+
+
+@pytest.mark.parametrize("key, off", HF_OFF_VALUES, ids=[k for k, _ in HF_OFF_VALUES])
+def test_each_off_value_in_generation_config_means_no_default(tmp_path, key, off):
+    defaults = read_model_defaults(hf_dir(tmp_path, do_sample=True, temperature=0.7, **{key: off}))
+    assert defaults.values == {"temperature": 0.7}
+    settings = GenerationSettings.from_flags().with_model_defaults(defaults)
+    assert getattr(settings, key) in (None, off)  # nothing from the model: lmcli's own "none"
+    assert key not in (settings.sources or {}) or settings.sources[key] != defaults.source
+
+
+@pytest.mark.parametrize("key, off", GGUF_OFF_VALUES, ids=[k for k, _ in GGUF_OFF_VALUES])
+def test_each_off_value_in_gguf_metadata_means_no_default(tmp_path, key, off):
+    defaults = read_model_defaults(gguf_file(tmp_path / "m.gguf", temp=0.7, **{key: off}))
+    assert defaults.values == {"temperature": pytest.approx(0.7)}

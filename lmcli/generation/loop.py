@@ -9,17 +9,40 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from lmcli.config import eos_id_list
+from lmcli.config import ModelConfig, eos_id_list
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, make_sampler
 
-if TYPE_CHECKING:
-    from lmcli.models.base import BaseModel
-    from lmcli.models.cache import ModelCache
-from lmcli.models.layers import positions_from_mask
+CacheT = TypeVar("CacheT")
+
+
+class ModelShape(Protocol):
+    """A model's config and device: what code below the models (this loop, the caches) sizes things by."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+class SlotModel(ModelShape, Protocol[CacheT]):
+    """What the loop needs of a model (lmcli.models.base.BaseModel is one); the loop sits below the
+    models and knows them only through this, so a cache is whatever the model's init_cache returns."""
+
+    def init_cache(self, batch_size: int, max_length: int) -> CacheT: ...
+
+    def forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                      slot_is_token: torch.Tensor, cache: CacheT | None = None,
+                      last_only: bool = False) -> torch.Tensor: ...
+
+
+def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
+    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)
 
 
 @dataclass
@@ -60,7 +83,7 @@ def history_capacity(prompt_len: int, max_new_tokens: int, max_positions: int, t
     return min(total, max(prompt_len, max_positions) + max_positions) if trim else total
 
 
-def generate(model: BaseModel, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
+def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
              attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
              *, seed: Any = None, logits_processors: Sequence[LogitsProcessor] | None = None,
@@ -76,13 +99,13 @@ def generate(model: BaseModel, x: torch.Tensor, max_new_tokens: int, do_sample: 
     return None if ignore_output else ids
 
 
-def generate_from_cache(model: BaseModel, x: torch.Tensor, max_new_tokens: int, do_sample: bool,
+def generate_from_cache(model: SlotModel[CacheT], x: torch.Tensor, max_new_tokens: int, do_sample: bool,
                         temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                         use_cache: bool = True, attention_mask: torch.Tensor | None = None, eos_token_id: Any = None,
                         pad_token_id: int | None = None, *, seed: Any = None,
                         logits_processors: Sequence[LogitsProcessor] | None = None,
                         on_token: Callable[[TokenEvent], Any] | None = None, ignore_output: bool = False,
-                        cache: ModelCache | None = None, cached: int = 0) -> tuple[torch.Tensor, int]:
+                        cache: CacheT | None = None, cached: int = 0) -> tuple[torch.Tensor, int]:
     """generate(), continuing from `cache`, which already holds the keys and values of x's first `cached`
     columns (from an earlier call over the same leading ids; a chat keeps its conversation this way).
     Without a cache one is allocated. Returns the ids as generate() returns them (with `ignore_output`,

@@ -6,7 +6,6 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -153,6 +152,7 @@ def generate_batch(
     """
     import torch
 
+    from lmcli.generation.sampling import SamplingSettings
     from lmcli.streaming import RowText
 
     settings = rows[0].settings
@@ -172,7 +172,7 @@ def generate_batch(
     bias = settings.logit_bias_ids(tokenizer, vocab_size) if vocab_size is not None else {}
     # The whole chain (penalties, then temperature and truncation) is built here, in transformers'
     # order; generate()'s own temperature/top_k/top_p stay neutral.
-    do_sample, processors = dataclasses.replace(settings.sampling, logit_bias=bias).policy(
+    do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
         prompt_length=width, pad_counts=[width - len(r.prompt_ids) for r in rows],
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
     )

@@ -1,157 +1,44 @@
-"""Token choice: the sampling rules, one small class per logits transform, the chain built once from
-settings, and per-row RNGs.
+"""Token choice: one small class per logits transform, the one factory that builds a chain of them,
+and per-row RNGs.
 
 Every transform has the uniform call `(input_ids [B, S], logits [B, V]) -> logits [B, V]` and checks
-its argument once, in __init__, with a message that says what to pass instead. The rules for each
-setting live here alone (`SamplingSettings.check`); the CLI and job rows name the setting in their
-own words from `SamplingError.setting`.
+its argument once, in __init__, by its setting's rule in lmcli.decoding (the table of settings), so
+the CLI, job rows and generate() name a setting in their own words from `SamplingError.setting`.
 
-Two conventions meet here and are translated in one place, `SamplingSettings.policy`: settings say
-greedy with `temperature == 0` (as the CLI and job rows do), `generate()` says it with `do_sample`.
-
-The order is transformers': logit bias, repetition penalty, (presence and frequency penalties, which
-transformers lacks), n-gram blocking, minimum new tokens; then, when sampling, temperature, top-k,
-top-p, min-p and typical-p. A penalty therefore acts on the raw logits, before truncation.
-
-One concern, choosing the next token, which is why it is longer than most modules.
+One road builds chains: `SamplingSettings.policy`, for settings (greedy is `temperature == 0`, as the
+CLI and job rows say it) and for generate()'s own temperature/top_k/top_p (`sampling_transforms`,
+where greedy is `do_sample=False`). The order is transformers': logit bias, repetition penalty,
+(presence and frequency penalties, which transformers lacks), n-gram blocking, minimum new tokens;
+then, when sampling, temperature, top-k, top-p, min-p and typical-p. A penalty therefore acts on the
+raw logits, before truncation.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from lmcli.generation.decoding_fields import WARPERS, DecodingFields
+from lmcli.decoding import (
+    SETTINGS,
+    DecodingFields,
+    check_logit_bias_ids,
+    check_number,
+    check_settings,
+    check_truncation,
+    is_int,
+)
+from lmcli.decoding import SamplingError as SamplingError  # raised by every processor below
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0..2**64-1 (a negative seed aliases one of those)
-MAX_ABS_PENALTY = 2.0  # presence and frequency penalties, as OpenAI's API bounds them
-MAX_ABS_LOGIT_BIAS = 100.0  # as OpenAI's API bounds logit_bias
-
-
-_NO_VALUE = object()
-
-
-class SamplingError(ValueError):
-    """A sampling setting that breaks its rule. `setting` (and `other`, for a pair that clashes) are
-    generate()'s names, so callers can name them their own way (`--top-p`, `"top_p"`) with
-    `message_for`."""
-
-    def __init__(self, setting: str, requirement: str, value: Any = _NO_VALUE, other: str | None = None):
-        self.setting = setting
-        self.other = other
-        self.requirement = requirement
-        self.value = value
-        super().__init__(self.message_for(str))
-
-    def message_for(self, name: Callable[[str], str]) -> str:
-        subject = name(self.setting) if self.other is None else f"{name(self.setting)} and {name(self.other)}"
-        if self.value is _NO_VALUE:
-            return f"{subject} {self.requirement}"
-        value = f"{self.value:g}" if isinstance(self.value, float) else repr(self.value)
-        return f"{subject} {self.requirement}, got {value}"
-
-
-# ----------------------------------------------------------------------------- the rules, each once
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _require_int(setting: str, value: Any, lowest: int) -> int:
-    if not _is_int(value):
-        raise SamplingError(setting, "must be an integer", value)
-    if value < lowest:
-        raise SamplingError(setting, f"must be at least {lowest}", value)
-    return int(value)
-
-
-def _require_number(setting: str, value: Any, ok: Callable[[float], bool], requirement: str) -> float:
-    if not _is_number(value):
-        raise SamplingError(setting, "must be a number", value)
-    if not math.isfinite(value):
-        raise SamplingError(setting, "must be a finite number", value)
-    if not ok(float(value)):
-        raise SamplingError(setting, requirement, value)
-    return float(value)
-
 
 def check_temperature(value: Any) -> float:
-    """Sampling temperature as generate() takes it (greedy is do_sample=False)."""
-    return _require_number("temperature", value, lambda v: v > 0, "must be > 0 (use do_sample=False for greedy)")
-
-
-def check_top_k(value: Any) -> int:
-    return _require_int("top_k", value, 1)
-
-
-def check_top_p(value: Any) -> float:
-    return _require_number("top_p", value, lambda v: 0 < v <= 1, "must be in (0, 1]")
-
-
-def check_min_p(value: Any) -> float:
-    return _require_number("min_p", value, lambda v: 0 <= v <= 1, "must be in [0, 1] (0 means none)")
-
-
-def check_typical_p(value: Any) -> float:
-    return _require_number("typical_p", value, lambda v: 0 < v <= 1, "must be in (0, 1] (1 means none)")
-
-
-def check_repetition_penalty(value: Any) -> float:
-    return _require_number("repetition_penalty", value, lambda v: v > 0, "must be > 0 (1 means none)")
-
-
-def _check_occurrence_penalty(setting: str, value: Any) -> float:
-    bound = MAX_ABS_PENALTY
-    return _require_number(setting, value, lambda v: -bound <= v <= bound, f"must be between -{bound:g} and {bound:g}")
-
-
-def check_no_repeat_ngram_size(value: Any) -> int:
-    return _require_int("no_repeat_ngram_size", value, 1)
-
-
-def check_min_new_tokens(value: Any) -> int:
-    return _require_int("min_new_tokens", value, 0)
-
-
-def check_seed(value: Any) -> int:
-    if not _is_int(value):
-        raise SamplingError("seed", "must be an integer", value)
-    if not 0 <= value <= MAX_SEED:
-        raise SamplingError("seed", "must be between 0 and 2**64-1", value)
-    return int(value)
-
-
-def check_logit_bias(bias: Any, vocab_size: int | None = None) -> dict[int, float]:
-    """{token id: bias}; each bias in [-100, 100] is added to that token's logit."""
-    if not isinstance(bias, Mapping):
-        raise SamplingError("logit_bias", "must map token ids to biases", bias)
-    limit = MAX_ABS_LOGIT_BIAS
-    checked = {}
-    for token, value in bias.items():
-        if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
-            where = f" (the vocabulary has {vocab_size} tokens)" if vocab_size is not None else ""
-            raise SamplingError("logit_bias", f"must name token ids >= 0{where}", token)
-        checked[int(token)] = _require_number(
-            "logit_bias", value, lambda v: -limit <= v <= limit, f"biases must be between -{limit:g} and {limit:g}"
-        )
-    return checked
-
-
-def check_truncation(top_k: Any, top_p: Any) -> None:
-    if top_k is not None and top_p is not None:
-        raise SamplingError("top_k", "cannot be used together; pick one", other="top_p")
+    """Sampling temperature as generate() takes it (greedy is do_sample=False, not temperature 0)."""
+    return check_number("temperature", value, lambda v: v > 0, "must be > 0 (use do_sample=False for greedy)")
 
 
 # ----------------------------------------------------------------------------- warpers (sampling only)
@@ -164,7 +51,14 @@ class Temperature:
         self.temperature = check_temperature(temperature)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return logits / self.temperature
+        scaled = logits / self.temperature
+        if self.temperature < 1 and bool(torch.isposinf(scaled).any()):
+            # So small a temperature overflows (1e-45: 10 / t is past float32's range, and softmax of
+            # inf is nan); its limit keeps the best tokens alone. Shifted by the best logit first, in
+            # float64, the best tokens are 0 and the rest far below (or -inf).
+            wide = logits.double()
+            scaled = ((wide - wide.amax(dim=-1, keepdim=True)) / self.temperature).to(logits.dtype)
+        return scaled
 
 
 class TopK:
@@ -173,7 +67,7 @@ class TopK:
     needs_history = False
 
     def __init__(self, top_k: int):
-        self.top_k = check_top_k(top_k)
+        self.top_k = SETTINGS["top_k"].require(top_k)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         k = min(self.top_k, logits.shape[-1])
@@ -187,7 +81,7 @@ class TopP:
     needs_history = False
 
     def __init__(self, top_p: float):
-        self.top_p = check_top_p(top_p)
+        self.top_p = SETTINGS["top_p"].require(top_p)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
@@ -206,7 +100,7 @@ class MinP:
     needs_history = False
 
     def __init__(self, min_p: float):
-        self.min_p = check_min_p(min_p)
+        self.min_p = SETTINGS["min_p"].require(min_p)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         probs = logits.softmax(dim=-1)  # (B, V)
@@ -221,7 +115,7 @@ class TypicalP:
     needs_history = False
 
     def __init__(self, typical_p: float):
-        self.typical_p = check_typical_p(typical_p)
+        self.typical_p = SETTINGS["typical_p"].require(typical_p)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         log_probs = logits.log_softmax(dim=-1)  # (B, V)
@@ -243,7 +137,7 @@ class RepetitionPenalty:
     multiplied (penalty > 1 discourages, < 1 encourages)."""
 
     def __init__(self, penalty: float):
-        self.penalty = check_repetition_penalty(penalty)
+        self.penalty = SETTINGS["repetition_penalty"].require(penalty)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         seen = torch.gather(logits, 1, input_ids)
@@ -265,7 +159,7 @@ class _OccurrencePenalty:
     setting: ClassVar[str]
 
     def __init__(self, penalty: float, prompt_length: int = 0):
-        self.penalty = _check_occurrence_penalty(self.setting, penalty)
+        self.penalty = SETTINGS[self.setting].require(penalty)
         self.prompt_length = prompt_length
 
     @staticmethod
@@ -305,7 +199,7 @@ class NoRepeatNGram:
     """
 
     def __init__(self, ngram_size: int, pad_counts: Sequence[int] | torch.Tensor | None = None):
-        self.ngram_size = check_no_repeat_ngram_size(ngram_size)
+        self.ngram_size = SETTINGS["no_repeat_ngram_size"].require(ngram_size)
         self.pad_counts = None if pad_counts is None else torch.as_tensor(pad_counts, dtype=torch.long)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -334,7 +228,7 @@ class MinNewTokens:
 
     def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Iterable[int]):
         self.prompt_length = prompt_length
-        self.min_new_tokens = check_min_new_tokens(min_new_tokens)
+        self.min_new_tokens = SETTINGS["min_new_tokens"].require(min_new_tokens)
         self.eos_token_ids = sorted({int(i) for i in eos_token_ids})
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -350,12 +244,12 @@ class LogitBias:
     needs_history = False
 
     def __init__(self, bias: Mapping[int, float]):
-        self.bias = check_logit_bias(bias)
+        self.bias = check_logit_bias_ids(bias)
         self._vector: torch.Tensor | None = None  # (V,), built at the first call, when V is known
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self._vector is None or self._vector.shape[0] != logits.shape[-1]:
-            check_logit_bias(self.bias, logits.shape[-1])
+            check_logit_bias_ids(self.bias, logits.shape[-1])
             vector = torch.zeros(logits.shape[-1], dtype=logits.dtype)
             vector[list(self.bias)] = torch.tensor(list(self.bias.values()), dtype=logits.dtype)
             self._vector = vector
@@ -384,14 +278,11 @@ class ProcessorChain:
 
 
 def sampling_transforms(temperature: float, top_k: int | None, top_p: float | None) -> list[LogitsProcessor]:
-    """generate()'s built-in sampling steps in their fixed order, validated."""
+    """generate()'s built-in sampling steps, checked by generate()'s rules (temperature > 0, not top-k
+    with top-p), then built by the one factory, SamplingSettings.policy."""
     check_truncation(top_k, top_p)
-    transforms: list[LogitsProcessor] = [Temperature(temperature)]
-    if top_k is not None:
-        transforms.append(TopK(top_k))
-    if top_p is not None:
-        transforms.append(TopP(top_p))
-    return transforms
+    check_temperature(temperature)
+    return SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p).policy()[1]
 
 
 def make_processor_chain(do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -410,68 +301,75 @@ def make_sampler(do_sample: bool, seed: Any, batch_size: int, device: torch.devi
 
 
 @dataclass(frozen=True)
+class _Step:
+    """One setting's place in the chain: the processor it adds when it is on."""
+
+    setting: str
+    make: Callable[[Any, _Context], LogitsProcessor]  # (the setting's value, the call's context)
+
+
+@dataclass(frozen=True)
+class _Context:
+    prompt_length: int
+    pad_counts: Sequence[int] | None
+    eos_token_ids: Iterable[int]
+    vocab_size: int | None
+
+
+# transformers' order: the processors, which act greedy or not, on the raw logits...
+_PROCESSORS = (
+    _Step("logit_bias", lambda bias, c: LogitBias(check_logit_bias_ids(bias, c.vocab_size))),
+    _Step("repetition_penalty", lambda penalty, c: RepetitionPenalty(penalty)),
+    _Step("presence_penalty", lambda penalty, c: PresencePenalty(penalty, c.prompt_length)),
+    _Step("frequency_penalty", lambda penalty, c: FrequencyPenalty(penalty, c.prompt_length)),
+    _Step("no_repeat_ngram_size", lambda n, c: NoRepeatNGram(n, c.pad_counts)),
+    _Step("min_new_tokens", lambda n, c: MinNewTokens(c.prompt_length, n, c.eos_token_ids)),
+)
+# ...then, when sampling, the warpers: temperature first, then truncation.
+_WARPERS = (
+    _Step("temperature", lambda t, c: Temperature(t)),
+    _Step("top_k", lambda k, c: TopK(k)),
+    _Step("top_p", lambda p, c: TopP(p)),
+    _Step("min_p", lambda p, c: MinP(p)),
+    _Step("typical_p", lambda p, c: TypicalP(p)),
+)
+
+
+@dataclass(frozen=True)
 class SamplingSettings(DecodingFields):
     """The decoding settings in their convention (temperature 0 means greedy; None means off), with the
-    logit bias by token id. `check()` holds every sampling rule; `policy()` turns them into generate()'s
-    arguments. (max_new_tokens is generate()'s own argument: neither uses it.)"""
+    logit bias by token id. `check()` applies lmcli.decoding's rules; `policy()` is the one factory of
+    processor chains, for settings and for generate()'s own arguments alike. (max_new_tokens is
+    generate()'s own argument: neither uses it.)"""
 
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     seed: int | None = None
 
+    @classmethod
+    def of(cls, fields: DecodingFields, logit_bias: Mapping[int, float], seed: int | None = None) -> SamplingSettings:
+        """The decoding fields of `fields` (e.g. a GenerationSettings), with the bias by token id."""
+        values = {f.name: getattr(fields, f.name) for f in dataclasses.fields(DecodingFields)}
+        return cls(**values, logit_bias=logit_bias, seed=seed)
+
     def check(self) -> None:
         """Raise SamplingError for the first setting that breaks its rule. (Top-k with top-p is allowed
         here, applied in that order as transformers does; generate()'s own arguments refuse the pair.)"""
-        if not self.greedy:
-            _require_number("temperature", self.temperature, lambda v: v >= 0, "must be >= 0 (0 means greedy)")
-        else:
-            for name in WARPERS:
-                if getattr(self, name) is not None:
-                    raise SamplingError(name, "only applies to sampling, not greedy decoding")
-        for name, check in (("top_k", check_top_k), ("top_p", check_top_p), ("min_p", check_min_p),
-                            ("typical_p", check_typical_p), ("repetition_penalty", check_repetition_penalty),
-                            ("no_repeat_ngram_size", check_no_repeat_ngram_size),
-                            ("min_new_tokens", check_min_new_tokens), ("seed", check_seed)):
-            if getattr(self, name) is not None:
-                check(getattr(self, name))
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) is not None:
-                _check_occurrence_penalty(name, getattr(self, name))
-        check_logit_bias(self.logit_bias)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecodingFields)}
+        check_settings({**values, "seed": self.seed})
+        check_logit_bias_ids(self.logit_bias)
 
     def policy(self, *, prompt_length: int = 0, pad_counts: Sequence[int] | None = None,
                eos_token_ids: Iterable[int] = (), vocab_size: int | None = None) -> tuple[bool, list[LogitsProcessor]]:
         """(do_sample, logits_processors) for generate(), in transformers' order: the processors, then,
-        when sampling, the warpers. generate()'s own temperature/top_k/top_p are left at their
-        neutral defaults (temperature 1.0 divides by one, exactly), so the whole order is this list's.
+        when sampling, the warpers; a setting at its off value adds none. generate()'s own
+        temperature/top_k/top_p are then left at their neutral defaults, so the whole order is this list's.
 
         `prompt_length` is the (padded) prompt width, `pad_counts` each row's left padding."""
         self.check()
-        processors: list[LogitsProcessor] = []
-        if self.logit_bias:
-            processors.append(LogitBias(check_logit_bias(self.logit_bias, vocab_size)))
-        if self.repetition_penalty not in (None, 1.0):
-            processors.append(RepetitionPenalty(self.repetition_penalty))
-        if self.presence_penalty:
-            processors.append(PresencePenalty(self.presence_penalty, prompt_length))
-        if self.frequency_penalty:
-            processors.append(FrequencyPenalty(self.frequency_penalty, prompt_length))
-        if self.no_repeat_ngram_size is not None:
-            processors.append(NoRepeatNGram(self.no_repeat_ngram_size, pad_counts))
-        if self.min_new_tokens:
-            processors.append(MinNewTokens(prompt_length, self.min_new_tokens, eos_token_ids))
-        if self.greedy:
-            return False, processors
-        if self.temperature != 1.0:
-            processors.append(Temperature(self.temperature))
-        if self.top_k is not None:
-            processors.append(TopK(self.top_k))
-        if self.top_p is not None and self.top_p < 1.0:
-            processors.append(TopP(self.top_p))
-        if self.min_p:
-            processors.append(MinP(self.min_p))
-        if self.typical_p is not None and self.typical_p < 1.0:
-            processors.append(TypicalP(self.typical_p))
-        return True, processors
+        context = _Context(prompt_length, pad_counts, eos_token_ids, vocab_size)
+        steps = _PROCESSORS if self.greedy else (*_PROCESSORS, *_WARPERS)
+        return not self.greedy, [step.make(getattr(self, step.setting), context) for step in steps
+                                 if not SETTINGS[step.setting].is_off(getattr(self, step.setting))]
 
 
 # ----------------------------------------------------------------------------- per-row random streams
@@ -487,14 +385,14 @@ def row_generators(seed: Any, batch_size: int, device: torch.device) -> list[tor
         seed = seed.tolist()  # a 0-d tensor becomes one int
     if seed is None:
         seeds = torch.randint(0, 2**62, (batch_size,)).tolist()
-    elif _is_int(seed):
+    elif is_int(seed):
         seeds = [int(seed)] * batch_size
     else:
         try:
             seeds = list(seed)
         except TypeError:
             seeds = [seed]
-        if not all(_is_int(s) for s in seeds):
+        if not all(is_int(s) for s in seeds):
             raise ValueError(f"seed must be an int or one int per row, got {seed!r}")
         seeds = [int(s) for s in seeds]
         if len(seeds) != batch_size:
@@ -502,7 +400,7 @@ def row_generators(seed: Any, batch_size: int, device: torch.device) -> list[tor
     generators = []
     for value in seeds:
         generator = torch.Generator(device=device)
-        generator.manual_seed(check_seed(value))
+        generator.manual_seed(SETTINGS["seed"].require(value))
         generators.append(generator)
     return generators
 

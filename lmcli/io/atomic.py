@@ -1,13 +1,15 @@
-"""Writing a directory all at once: into a temporary directory beside the target, renamed at the end.
+"""Writing a file or a directory all at once: into a temporary beside the target, renamed at the end.
 
-A writer killed midway (SIGKILL, power loss) leaves no half-written target, only a hidden
-`.NAME.partial-PID-*` directory beside it, which the next run for the same target removes.
+The one home of write-a-temporary-then-rename. A writer killed midway (SIGKILL, power loss) leaves
+no half-written target, only a hidden `.NAME.partial-PID-*` beside it, which the next run for the
+same target removes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -26,13 +28,64 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def _remove_stale_partials(target: Path) -> None:
-    """Temporary directories of earlier runs for `target` whose process is gone."""
+    """Temporaries of earlier runs for `target` whose process is gone."""
     prefix = f".{target.name}.partial-"
     for entry in target.parent.glob(f"{prefix}*"):
         pid = entry.name[len(prefix):].split("-", 1)[0]
         if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
+            _remove(entry)
+
+
+@contextlib.contextmanager
+def atomic_file(target: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside `target` to write a file at; when the block ends it is renamed
+    over `target` (atomic on one filesystem), and if the block fails it is removed.
+
+    The caller makes the parent directory and turns OSError into its own one-line error."""
+    target = Path(target)
+    _remove_stale_partials(target)
+    temporary = target.with_name(f".{target.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        yield temporary
+        os.replace(temporary, target)
+    finally:
+        _remove(temporary)
+
+
+def write_atomically(target: str | Path, data: str | bytes, durable: bool = False) -> None:
+    """Replace `target`'s contents with `data` all at once; `durable`: on disk (fsync'd) before the rename."""
+    with atomic_file(target) as temporary, open(temporary, "wb") as file:
+        file.write(data.encode("utf-8") if isinstance(data, str) else data)
+        if durable:
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Rename the finished directory `staging` to `target`, moving aside whatever is there (stale or damaged).
+
+    Readers of the old one keep their open files; a process racing us just leaves its own, equally good, copy.
+    """
+    for _ in range(3):
+        if target.exists():
+            trash = Path(tempfile.mkdtemp(prefix=".stale-", dir=target.parent))
+            with contextlib.suppress(FileNotFoundError):  # another process moved it first
+                os.rename(target, trash / "entry")
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.rename(staging, target)
+            return
+        except OSError:  # someone else renamed theirs in between: look again
+            continue
+    raise OSError(f"could not place {target}")
 
 
 def _default_directory_mode() -> int:

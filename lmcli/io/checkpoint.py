@@ -5,17 +5,34 @@ Never unpickles: only safetensors (and GGUF, in gguf.py) are read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from lmcli.errors import CheckpointError
+from lmcli.config import ModelConfig
+from lmcli.errors import CheckpointError, first_line
 
-if TYPE_CHECKING:
-    from lmcli.models.base import BaseModel
+T = TypeVar("T")
+
+
+class FillableModel(Protocol):
+    """What fill_model needs of a model (lmcli.models.base.BaseModel is one): io sits below the models."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def named_parameters(self, prefix: str = ..., recurse: bool = ...,
+                         remove_duplicate: bool = ...) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = ..., assign: bool = ...) -> Any: ...
+
+    def tie_weights(self) -> None: ...
 
 # Non-parameter buffers that real checkpoints carry (RoPE tables, GPT-2's causal mask); recognised and skipped.
 IGNORED_TENSORS = re.compile(r"(rotary_emb\.inv_freq|(^|\.)attn\.(bias|masked_bias))$")
@@ -74,30 +91,101 @@ def index_shard_names(index: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
-    """All tensors of `files`, cast to `dtype`, and the file each came from (for error messages)."""
+def _each_tensor(files: list[Path], take: Callable[[Any, str, Path], T]) -> tuple[dict[str, T], dict[str, Path]]:
+    """`take(handle, name, path)` for every tensor of `files`, by name, and the file each came from.
+    A name in two files, or a file safetensors cannot read, is a CheckpointError naming the file."""
     from safetensors import safe_open
 
-    tensors: dict[str, torch.Tensor] = {}
+    taken: dict[str, T] = {}
     origin: dict[str, Path] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict: keys() is its API)
-                    if name in tensors:
+                    if name in taken:
                         raise CheckpointError(f"{path}: tensor '{name}' also appears in {origin[name]}")
-                    tensor = handle.get_tensor(name)
-                    tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                    taken[name] = take(handle, name, path)
                     origin[name] = path
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types for corrupt/truncated files
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise CheckpointError(f"{path}: cannot read safetensors file ({reason})") from None
-    return tensors, origin
+            raise CheckpointError(f"{path}: cannot read safetensors file ({first_line(exc)})") from None
+    return taken, origin
 
 
-def fill_model(model: BaseModel, tensors: dict[str, torch.Tensor], source: str,
+def read_safetensors(files: list[Path], dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, Path]]:
+    """All tensors of `files`, cast to `dtype`, and the file each came from (for error messages)."""
+
+    def read(handle: Any, name: str, _path: Path) -> torch.Tensor:
+        tensor = handle.get_tensor(name)
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    return _each_tensor(files, read)
+
+
+# --- lazy tensors: a tensor-parallel rank reads only its part -------------------------------------
+
+
+@dataclass(frozen=True)
+class LazyTensor:
+    """A safetensors tensor not read yet, viewed through the renames an architecture's
+    `convert_checkpoint` applies (a transpose, chunks along dim 0), so a rank can read only its part.
+
+    The view is `source.t()[offset:offset + rows]` when transposed, else `source[offset:offset + rows]`.
+    """
+
+    path: Path
+    name: str
+    source_shape: tuple[int, ...]
+    transposed: bool = False
+    offset: int = 0
+    rows: int | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        dims = tuple(reversed(self.source_shape)) if self.transposed else self.source_shape
+        if not dims:
+            return torch.Size(dims)
+        return torch.Size((self.rows if self.rows is not None else dims[0], *dims[1:]))
+
+    def t(self) -> LazyTensor:
+        assert self.rows is None and len(self.source_shape) == 2, "transpose a whole 2-D tensor only"
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def chunk(self, chunks: int, dim: int = 0) -> list[LazyTensor]:
+        assert dim == 0 and self.shape[0] % chunks == 0, "equal chunks along dim 0 only"
+        size = self.shape[0] // chunks
+        return [dataclasses.replace(self, offset=self.offset + i * size, rows=size) for i in range(chunks)]
+
+    def read(self, rows: slice | None = None, columns: slice | None = None) -> torch.Tensor:
+        """The view's [rows, columns] part (whole dims when None), reading only that from the file."""
+        from safetensors import safe_open
+
+        shape = self.shape
+        rows = rows or slice(0, shape[0] if shape else 0)
+        first = slice(self.offset + rows.start, self.offset + rows.stop)
+        try:
+            # Opened per tensor, so the pages a rank touches are unmapped again right after.
+            with safe_open(str(self.path), framework="pt") as handle:
+                source = handle.get_slice(self.name)
+                if len(shape) == 0:
+                    return source[:]
+                if len(shape) == 1:
+                    return source[first]
+                columns = columns or slice(0, shape[1])
+                if self.transposed:
+                    return source[columns, first].t()
+                return source[first, columns]
+        except Exception as exc:  # safetensors raises its own error types for corrupt/truncated files
+            raise CheckpointError(f"{self.path}: cannot read tensor '{self.name}' ({first_line(exc)})") from None
+
+
+def lazy_safetensors(files: list[Path]) -> tuple[dict[str, LazyTensor], dict[str, Path]]:
+    """Every tensor of `files` as a LazyTensor (only the headers are read), and the file of each."""
+    return _each_tensor(files, lambda handle, name, path: LazyTensor(path, name, tuple(handle.get_slice(name).get_shape())))
+
+
+def fill_model(model: FillableModel, tensors: dict[str, torch.Tensor], source: str,
                origin: dict[str, Path] | None = None) -> None:
     """Assign checkpoint tensors to the model's parameters by name, accounting for every one.
 

@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from lmcli.config import is_number as _is_number
 from lmcli.errors import GGUFError
 
 MAGIC = b"GGUF"
@@ -189,10 +190,6 @@ ARCHITECTURE_METADATA_KINDS = {
 
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 _KIND_CHECKS = {

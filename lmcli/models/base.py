@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
+from lmcli.errors import first_line
+from lmcli.generation import loop
 from lmcli.models.layers import (
     MLP,
     Attention,
     AttentionInputs,
     SparseMoE,
     make_norm,
-    positions_from_mask,
     rope_cos_sin,
     rope_inverse_frequencies,
 )
@@ -128,7 +129,7 @@ class BaseModel(nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         slot_is_token = attention_mask.bool()
-        positions = positions_from_mask(slot_is_token)
+        positions = loop.positions_from_mask(slot_is_token)
         query_slots = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward_slots(input_ids, positions, query_slots, slot_is_token)
 
@@ -198,8 +199,7 @@ class BaseModel(nn.Module):
             return compiled(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
         except Exception as exc:  # any compiler failure: no C compiler, an op inductor cannot lower, ...
             self._compiled_decode = None
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
-            sys.stderr.write(f"warning: --compile failed ({reason}); decoding without it\n")
+            sys.stderr.write(f"warning: --compile failed ({first_line(exc)[:160]}); decoding without it\n")
             # Writing the same keys and values again at the same slots is harmless.
             return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
                                        int(query_slots[-1]) + 1, last_only)
@@ -234,14 +234,15 @@ class BaseModel(nn.Module):
 
     # --- cache and generation ---------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, max_length: int) -> ModelCache:
+    def init_cache(self, batch_size: int, max_length: int, rollback: int = 0) -> ModelCache:
         """A cache for `batch_size` rows of up to `max_length` tokens, allocated once.
 
-        Sliding-window layers get a rolling buffer of `sliding_window` slots; the others a static one.
+        Sliding-window layers get a rolling buffer of `sliding_window` slots (plus `rollback` spare ones,
+        so that it can be trimmed by that many: see ModelCache.trim); the others a static one.
         """
         from lmcli.models.cache import ModelCache
 
-        return ModelCache.for_model(self, batch_size, max_length)
+        return ModelCache.for_model(self, batch_size, max_length, rollback)
 
     def traverse_cache(self, cache: ModelCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> ModelCache:
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
@@ -253,9 +254,7 @@ class BaseModel(nn.Module):
 
         A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s.
         """
-        from lmcli.generation.loop import generate
-
-        return generate(self, *args, **kwargs)
+        return loop.generate(self, *args, **kwargs)
 
     @property
     def device(self) -> torch.device:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmcli.config import ACTIVATIONS as ACTIVATION_NAMES
 from lmcli.config import SLIDING, ModelConfig, RopeConfig
 from lmcli.models.linear import fuse_linears
 
@@ -41,15 +42,14 @@ def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
     return RMSNorm(dim, config.norm_eps, config.norm_unit_offset)
 
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+_ACTIVATION_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
-    "swish": F.silu,
     "gelu": F.gelu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+# Every hidden_act name config.py accepts, as the function it stands for.
+ACTIVATIONS = {name: _ACTIVATION_FUNCTIONS[function] for name, function in ACTIVATION_NAMES.items()}
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
@@ -269,8 +269,3 @@ class SparseMoE(nn.Module):
             expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
             out.index_add_(0, token_index, expert_out * weights[token_index, slot, None])
         return out.view(shape)
-
-
-def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
-    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)

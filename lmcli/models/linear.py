@@ -33,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmcli.config import dtype_name as _dtype_name
+from lmcli.errors import first_line
+
 GROUP = 32  # values per scale when lmcli quantizes a float weight itself
 
 
@@ -461,14 +464,9 @@ _ROW_COUNTS = (1, 16, 64)
 
 
 def _machine_key(device: torch.device) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from lmcli.machine import cpu_model_and_flags
+
+    cpu = cpu_model_and_flags()[0] or platform.processor() or platform.machine()
     if device.type == "cuda":
         cpu = torch.cuda.get_device_name(device)
     return (f"v{PLAN_FORMAT}|{device.type}|{cpu}|{torch.backends.cpu.get_cpu_capability()}|torch {torch.__version__}"
@@ -517,10 +515,6 @@ def _candidates(kind: str, device: torch.device) -> list[str]:
 MEASURED_DTYPES = (torch.bfloat16, torch.float32)  # compared against each other in one run
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @torch.inference_mode()
 def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES) -> dict[str, KernelChoice]:
     """Time each candidate kernel for `kind` weights with each activation dtype, all in one interleaved
@@ -544,7 +538,7 @@ def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES) -> dict[str
                     rejected[dtype, name] = f"off by {error:.1e}"
                     continue
             except (RuntimeError, NotImplementedError, AttributeError) as exc:
-                rejected[dtype, name] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+                rejected[dtype, name] = first_line(exc)[:80]
                 continue
             kernels[dtype, name] = kernel
     inputs = {(dtype, rows): torch.randn(rows, _PROBE_SHAPE[1], generator=gen).to(device, dtype)
@@ -623,9 +617,9 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
                                              _LOAD_KEY: _load_average()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}")
-        temporary.write_text(json.dumps(stored, indent=1) + "\n")
-        os.replace(temporary, path)
+        from lmcli.io.atomic import write_atomically
+
+        write_atomically(path, json.dumps(stored, indent=1) + "\n")
     except OSError:
         pass  # a read-only cache only means measuring again next time
     return choices

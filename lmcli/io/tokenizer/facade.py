@@ -11,7 +11,7 @@ from typing import Any
 from tokenizers import Tokenizer as Backend
 
 from lmcli.config import eos_id_list
-from lmcli.errors import TokenizerError
+from lmcli.errors import TokenizerError, first_line
 from lmcli.io.tokenizer.chat_template import compile_template, render_bounded
 
 
@@ -85,8 +85,7 @@ class Tokenizer:
                 **{key: value for key, value in specials.items() if value is not None},
             )
         except Exception as exc:  # jinja2's TemplateError, and anything the template's own code raises
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise TokenizerError(f"{self.name}: chat template failed: {message}") from None
+            raise TokenizerError(f"{self.name}: chat template failed: {first_line(exc)}") from None
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants it, so no special tokens are added here.

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as Backend
 from lmcli.errors import TokenizerError
 from lmcli.io.tokenizer.backend import SPIECE_SPACE, implied_merges, llama_text_handling, set_bos_eos
 from lmcli.io.tokenizer.facade import Tokenizer
-from lmcli.models import gemma
+from lmcli.registry import GGUF_ARCHITECTURES
 
 # GGUF token types (llama.cpp's llama_token_type).
 GGUF_CONTROL = 3
@@ -50,7 +50,7 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
     architecture = _text(metadata.get("general.architecture", ""))
     if kind == "gpt2":
         backend = _byte_level_backend(tokens, metadata)
-    elif kind == "llama" and architecture in gemma.GGUF_ARCHITECTURES:
+    elif kind == "llama" and GGUF_ARCHITECTURES.get(architecture) == "gemma":
         backend = _gemma_backend(tokens)
     elif kind == "llama":
         backend = _sentencepiece_backend(tokens, [float(s) for s in metadata.get("tokenizer.ggml.scores") or []])

@@ -1,0 +1,157 @@
+"""A job's input: its rows, read from JSONL (lmcli rows or OpenAI batch requests) or plain text.
+
+What each row may hold and how it ranks against the flags is jobs.py's docstring (the README's job
+section); the settings of a row are settings.py's to check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmcli.errors import LmcliError, UsageError
+from lmcli.settings import JOB_ROW_SETTINGS, GenerationSettings, RowError, input_hash
+
+ROW_FIELDS = ("prompt", "id", *JOB_ROW_SETTINGS)
+
+
+@dataclass
+class JobRow:
+    """One input row: either a prompt with its settings, or an error to report."""
+
+    line: int
+    id: int | str
+    input_hash: str
+    prompt: str | list[dict] | None = None  # chat messages for an OpenAI chat request
+    settings: GenerationSettings | None = None
+    error: str | None = None
+    url: str | None = None  # the OpenAI endpoint; None for an lmcli row
+
+
+def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
+    """Read a job's input: JSONL when the name ends in .jsonl, else one prompt per line."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
+    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
+    parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
+    if parse is _parse_jsonl_line and is_openai_file(data):
+        parse = _parse_openai_line
+    rows = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8").removesuffix("\r")
+        except UnicodeDecodeError:
+            rows.append(_bad_row(number, number, "not valid UTF-8", repr(raw), settings))
+            continue
+        rows.append(parse(number, text, settings))
+    _refuse_duplicate_ids(rows)
+    return rows
+
+
+def _parse_text_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
+    prompt = unescape_line(text)
+    return JobRow(number, number, input_hash(prompt, settings), prompt=prompt, settings=settings)
+
+
+def unescape_line(text: str) -> str:
+    """Plain-text input writes a newline inside a prompt as \\n and a backslash as \\\\."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "n\\":
+            out.append("\n" if text[i + 1] == "n" else "\\")
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
+    obj, bad = _decode(number, text, settings)
+    if bad is not None:
+        return bad
+    if not isinstance(obj, dict):
+        return _bad_row(number, number, "a row must be a JSON object", text, settings)
+    row_id = obj.get("id", number)
+    if isinstance(row_id, bool) or not isinstance(row_id, (int, str)):
+        return _bad_row(number, number, '"id" must be a string or an integer', text, settings)
+    try:
+        unknown = sorted(set(obj) - set(ROW_FIELDS))
+        if unknown:
+            raise RowError(f'unknown field "{unknown[0]}" (a row may have: {", ".join(ROW_FIELDS)})')
+        prompt = obj.get("prompt")
+        if not isinstance(prompt, str):
+            raise RowError('"prompt" is missing' if prompt is None else '"prompt" must be a string')
+        row_settings = settings.for_row(obj)
+    except RowError as e:
+        return _bad_row(number, row_id, str(e), text, settings, prompt=obj.get("prompt"))
+    return JobRow(number, row_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings)
+
+
+def is_openai_file(data: bytes) -> bool:
+    """Whether a .jsonl file holds OpenAI batch requests: decided by its first row."""
+    from lmcli import openai_batch
+
+    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    try:
+        return openai_batch.is_request(json.loads(first))
+    except ValueError:
+        return False
+
+
+def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
+    """An OpenAI batch request (see openai_batch.py); its body's fields rank as a row's do (under the flags)."""
+    from lmcli import openai_batch
+
+    obj, bad = _decode(number, text, settings, url="?")
+    if bad is not None:
+        return bad
+    custom_id = openai_batch.request_id(obj)
+    if custom_id is None:
+        return _bad_row(number, number, '"custom_id" must be a non-empty string', text, settings, url="?")
+    try:
+        url, prompt, overrides, logprobs = openai_batch.parse_request(obj)
+        row_settings = dataclasses.replace(
+            settings.for_row(overrides), chat=url == openai_batch.CHAT, system=None, logprobs=logprobs
+        )
+    except RowError as e:
+        message = openai_batch.in_body_terms(str(e), obj)
+        return _bad_row(number, custom_id, message, text, settings, url=str(obj.get("url")))
+    return JobRow(number, custom_id, input_hash(prompt, row_settings), prompt=prompt, settings=row_settings, url=url)
+
+
+def _decode(number: int, text: str, settings: GenerationSettings, url: str | None = None) -> tuple[Any, JobRow | None]:
+    """A line's JSON value, or the error row that says why it has none."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as e:
+        return None, _bad_row(number, number, f"not valid JSON ({e.msg} at column {e.colno})", text, settings, url=url)
+
+
+def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> JobRow:
+    prompt = prompt if isinstance(prompt, str) else None
+    return JobRow(number, row_id, input_hash(text, settings), prompt=prompt, error=f"line {number}: {message}", url=url)
+
+
+def id_key(row_id: Any) -> str:
+    """A row id as a dict key: 7 and "7" are different ids, and JSON text tells them apart."""
+    return json.dumps(row_id)
+
+
+def _refuse_duplicate_ids(rows: list[JobRow]) -> None:
+    seen: dict[str, int] = {}
+    for row in rows:
+        key = id_key(row.id)
+        if key in seen:
+            raise UsageError(
+                f"input lines {seen[key]} and {row.line} have the same id {key}; ids must be unique"
+                " (a row without an id takes its line number)"
+            )
+        seen[key] = row.line
