@@ -117,7 +117,7 @@ def test_greedy_json_schema_rows_validate(smol):
     model, tokenizer = smol
     schemas = [PERSON, TAGS, {"type": "object", "properties": {"ok": {"type": "boolean"},
                                                                "n": {"type": "integer", "minimum": -5, "maximum": 5}},
-                              "required": ["ok", "n"]}]
+                              "required": ["ok", "n"], "additionalProperties": False}]
     rows = run(model, tokenizer, ["Answer in JSON."] * 3, [Constraint.parse("json_schema", s) for s in schemas], None, 80)
     for schema, (text, at_eos) in zip(schemas, rows):
         assert at_eos, text

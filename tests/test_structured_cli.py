@@ -114,7 +114,7 @@ def test_openai_batch_response_format(smollm2_gguf, tmp_path):
     (["--json", "--ignore-eos"], "--ignore-eos cannot be combined with a constraint"),
 ])
 def test_bad_flags_are_usage_errors_before_the_model_loads(flags, message, tmp_path):
-    result = cli("generate", "-c", tmp_path / "no-such-checkpoint", *flags, "hi")
+    result = cli("generate", "-c", tmp_path, *flags, "hi")  # an empty directory: loading it would fail
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
@@ -123,7 +123,7 @@ def test_bad_flags_are_usage_errors_before_the_model_loads(flags, message, tmp_p
 def test_a_bad_grammar_file_is_named(tmp_path):
     grammar = tmp_path / "bad.lark"
     grammar.write_text("start: (\n")
-    result = cli("generate", "-c", tmp_path / "none", "--grammar", grammar, "hi")
+    result = cli("generate", "-c", tmp_path, "--grammar", grammar, "hi")
     assert result.exit_code == 2 and f"--grammar {grammar}:" in result.output, result.output
 
 
