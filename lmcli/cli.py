@@ -311,8 +311,9 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
 
     flags = dict(decoding)
     logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
+    constraint = _constraint_from_flags(flags)  # pops its four flags
     return GenerationSettings.from_flags(
-        **flags, constraint=_constraint_from_flags(flags),
+        **flags, constraint=constraint,
         logit_bias=parse_logit_bias(logit_bias),
         stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         **others,
