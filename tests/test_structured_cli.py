@@ -25,7 +25,7 @@ def cli(*args):
 def test_generate_with_a_schema_file_streams_its_final_text(smollm2_gguf, tmp_path):
     schema = tmp_path / "person.json"
     schema.write_text(json.dumps(PERSON))
-    flags = ("-m", smollm2_gguf, "--chat", "--seed", "3", "--json-schema", schema)
+    flags = ("-c", smollm2_gguf, "--chat", "--seed", "3", "--json-schema", schema)
     streamed = cli("generate", *flags, "Describe a person.")
     assert streamed.exit_code == 0, streamed.output
     row = cli("generate", *flags, "--format", "jsonl", "Describe a person.")
@@ -41,11 +41,11 @@ def test_job_rows_each_with_their_own_constraint(smollm2_gguf, tmp_path):
     grammar = tmp_path / "sums.lark"
     grammar.write_text(SUMS)
     rows = [
-        {"id": "person", "prompt": "A person as JSON:", "json_schema": PERSON, "seed": 1},
-        {"id": "tags", "prompt": "Colours:", "json_schema": TAGS, "seed": 2},
-        {"id": "phone", "prompt": "Phone number:", "regex": PHONE, "seed": 3},
-        {"id": "sum", "prompt": "A sum:", "grammar": SUMS, "seed": 4},
-        {"id": "any", "prompt": "Some JSON:", "json": True, "seed": 5},
+        {"id": "person", "prompt": "A person as JSON:", "json_schema": PERSON, "seed": 1, "max_new_tokens": 120},
+        {"id": "tags", "prompt": "Colours:", "json_schema": TAGS, "seed": 2, "max_new_tokens": 120},
+        {"id": "phone", "prompt": "Phone number:", "regex": PHONE, "seed": 3, "max_new_tokens": 120},
+        {"id": "sum", "prompt": "A sum:", "grammar": SUMS, "seed": 4, "max_new_tokens": 120},
+        {"id": "any", "prompt": "Some JSON:", "json": True, "seed": 5, "max_new_tokens": 120},
         {"id": "free", "prompt": "Hello", "max_new_tokens": 5, "seed": 6},
         {"id": "bad", "prompt": "x", "regex": "(unclosed"},
         {"id": "two", "prompt": "x", "regex": "a", "json": True},
@@ -54,7 +54,7 @@ def test_job_rows_each_with_their_own_constraint(smollm2_gguf, tmp_path):
     source = tmp_path / "rows.jsonl"
     source.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = tmp_path / "out.jsonl"
-    result = cli("generate", "-m", smollm2_gguf, "--chat", "--input", source, "-o", out)
+    result = cli("generate", "-c", smollm2_gguf, "--chat", "--input", source, "-o", out)
     assert result.exit_code == 1, result.output  # some rows are errors; the others are written
     by_id = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert len(by_id) == len(rows)
@@ -80,7 +80,7 @@ def test_openai_batch_response_format(smollm2_gguf, tmp_path):
     def request(custom_id, response_format, **body):
         return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                 "body": {"messages": [{"role": "user", "content": "Reply in JSON."}], "seed": 7,
-                         "response_format": response_format, **body}}
+                         "response_format": response_format, "max_tokens": 120, **body}}
 
     requests = [
         request("schema", {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS, "strict": True}}),
@@ -92,7 +92,7 @@ def test_openai_batch_response_format(smollm2_gguf, tmp_path):
     source = tmp_path / "batch.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in requests))
     out = tmp_path / "out.jsonl"
-    result = cli("generate", "-m", smollm2_gguf, "--input", source, "-o", out)
+    result = cli("generate", "-c", smollm2_gguf, "--input", source, "-o", out)
     assert result.exit_code == 1, result.output
     by_id = {row["custom_id"]: row for row in map(json.loads, out.read_text().splitlines())}
     for name, check in (("schema", lambda v: jsonschema.validate(v, TAGS)), ("object", lambda v: isinstance(v, dict))):
