@@ -16,7 +16,7 @@ from typing import Any, cast
 
 import torch
 
-from lmcli.bench import decode_rate, mean_kl_divergence
+from lmcli.bench_measure import decode_rate, mean_kl_divergence
 from lmcli.bench_models import QUALITY_TEXT
 
 PROMPT_SEED = 0
@@ -39,7 +39,7 @@ def _sync(device: torch.device) -> None:
 
 def weight_kernels(model: Any) -> dict[str, Any]:
     """How the model's weights are stored and multiplied: weights per stored form, and for each quantized
-    format the kernel models/linear.py chose on this machine and why (its measurement)."""
+    format the kernel models/kernel_plan.py chose on this machine and why (its measurement)."""
     formats = model.weight_formats() if hasattr(model, "weight_formats") else {}
     choices = getattr(model, "kernel_choices", None) or {}
     return {"weights": formats, "why": {kind: choice.describe() for kind, choice in choices.items()}}
@@ -148,7 +148,7 @@ class LlamaCppEngine:
         if not spec["checkpoint"].endswith(".gguf"):
             raise Unsupported("llama.cpp reads GGUF files only")
         self.lib = llama_cpp
-        self.threads = spec["threads"]
+        self.threads = spec["threads"] or torch.get_num_threads()  # None: as lmcli chose for torch
         self.llm = llama_cpp.Llama(model_path=spec["checkpoint"], n_ctx=spec["context"], n_batch=512,
                                    n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=0,
                                    verbose=False)
@@ -239,7 +239,8 @@ def worker_main(spec_json: str) -> None:
     os.dup2(2, 1)  # whatever the engine prints (Python or C) goes to stderr, not into the protocol
     sys.stdout = sys.stderr
     spec = json.loads(spec_json)
-    torch.set_num_threads(spec["threads"])
+    if spec["threads"] is not None:  # else as the environment set it (lmcli's choice, made by the parent)
+        torch.set_num_threads(spec["threads"])
 
     def send(message: dict[str, Any]) -> None:
         replies.write(json.dumps(message) + "\n")

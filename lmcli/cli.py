@@ -73,7 +73,9 @@ class _LmcliGroup(TyperGroup):
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
         end = args.index("--") if "--" in args else len(args)
         _debug = "--debug" in args[:end]
-        args = [a for a in args[:end] if a != "--debug"] + args[end:]
+        if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by models/kernel_plan.py
+            os.environ["LMCLI_FAST_KERNELS"] = "1"
+        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels")] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
                                windows_expand_args=windows_expand_args, **extra)
@@ -179,6 +181,9 @@ def _root(
     ] = False,
     # Listed here for --help; main() takes --debug out of the arguments wherever it appears.
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks instead of one-line errors.")] = False,
+    fast_kernels: Annotated[bool, typer.Option("--fast-kernels", metavar="", help=(
+        "Quantized weights: the kernels measured fastest here, batched attention; a row's text may then "
+        "depend on its batch, chunking and machine."))] = False,
 ) -> None:
     """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""
 
@@ -226,6 +231,17 @@ CompileOption = Annotated[bool, _switch(
     "--compile", "Compile the decode step with torch.compile (CUDA: with CUDA graphs). Compiling takes a minute "
                  "or more; it pays off over long generations. Falls back to eager, with a warning, if it fails.",
     MODEL_PANEL)]
+ThreadsOption = Annotated[int | None, _option(
+    "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "
+         "'lmcli info'); OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT, when set, are kept.",
+    "--threads", panel=MODEL_PANEL, min=1, max=1024)]
+
+
+def _use_threads(threads: int | None) -> None:
+    """Thread settings before torch loads (it loads later, with the model): lmcli.threads."""
+    from lmcli.threads import configure
+
+    configure(threads)
 
 
 # The decoding flags `generate` and `chat` share (a test checks that chat has every one of generate's),
@@ -336,24 +352,25 @@ def _constraint_from_flags(flags: DecodingFlags):
                            for kind, value in given.items()}, name)
 
 
-def _load(checkpoint: Path | None, model: str | None, device: Device, dtype: DType, *, need_tokenizer: bool = True,
-          tokenizer: Path | None = None, tp: int | None = None, quantize: Quantize | None = None,
-          compile_decode: bool = False):
-    """Load the model (with a spinner on a terminal); torch is imported here, not before."""
+def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None = None):
+    """The model -c/-m/--tokenizer name, resolved once for the whole command (lmcli.model_ref)."""
+    from lmcli.model_ref import resolve_model
+
+    return resolve_model(checkpoint, model, tokenizer)
+
+
+def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True, tp: int | None = None,
+          quantize: Quantize | None = None, compile_decode: bool = False):
+    """Load the resolved model (with a spinner on a terminal); torch is imported here, not before."""
     from rich.console import Console
 
     import lmcli
 
     console = Console(stderr=True)
-    where = str(checkpoint) if checkpoint is not None else model or "the default model"
+    where = str(resolved.path)
     with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
         loaded, text_tokenizer = lmcli.load(
-            checkpoint=str(checkpoint) if checkpoint is not None else None,
-            model=model,
-            dtype=dtype.value,
-            device=device.value,
-            tokenizer_path=tokenizer,
-            tp=tp,
+            resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
     if compile_decode:
@@ -386,6 +403,7 @@ def generate(
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = False,
+    threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,
     chat: Annotated[bool, _switch(
@@ -428,17 +446,17 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
-    from lmcli.settings import read_model_defaults
-
+    _use_threads(threads)
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
-    # The checkpoint's own sampling defaults fill what no flag set (read from its files, not loaded).
-    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
+    resolved = _resolve(checkpoint, model, tokenizer)
+    # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
+    settings = settings.with_model_defaults(resolved.defaults)
 
     def load():
-        loaded, loaded_tokenizer = _load(checkpoint, model, device, dtype, tokenizer=tokenizer, tp=tp, quantize=quantize,
+        loaded, loaded_tokenizer = _load(resolved, device, dtype, tp=tp, quantize=quantize,
                                          compile_decode=compile_decode)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
@@ -447,18 +465,28 @@ def generate(
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
-    def identity() -> dict:
-        from lmcli.loading import checkpoint_identity
-
-        name = model or (checkpoint.name if checkpoint is not None else "smollm2-135m")
-        return {"name": name, "fingerprint": checkpoint_identity(checkpoint, model, tokenizer)}
+    from lmcli import runs
 
     with _process_group(tp, input_path, device):
         if input_path is not None:
-            _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp)
+            with _exit_when_stopped():
+                runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
+                             resolved.identity, tp)
             return
-        text = _read_prompt(prompt)
-        _generate_one(text, settings, load, output_format or OutputFormat.text, stats, color_probs)
+        text = runs.read_prompt(prompt)
+        with _exit_when_stopped():
+            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
+
+
+@contextlib.contextmanager
+def _exit_when_stopped():
+    """A run that ended early has said why (lmcli.runs): exit with its code (130 for Ctrl-C, as a shell expects)."""
+    from lmcli.runs import Stopped
+
+    try:
+        yield
+    except Stopped as stopped:
+        raise typer.Exit(stopped.code) from None
 
 
 @contextlib.contextmanager
@@ -502,126 +530,6 @@ def _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwr
         raise UsageError("--output must not be the --input file")
 
 
-def _read_prompt(prompt: str | None) -> str:
-    if prompt is None and sys.stdin.isatty():
-        raise UsageError("no prompt: give PROMPT, pipe text on stdin, or use --input FILE")
-    if prompt is None or prompt == "-":
-        prompt = _utf8_text(sys.stdin.buffer.read(), "the prompt on stdin")
-    else:
-        prompt = _utf8_text(os.fsencode(prompt), "the PROMPT argument")  # argv's undecodable bytes, restored
-    if not prompt:
-        raise UsageError("the prompt is empty")
-    return prompt
-
-
-def _utf8_text(raw: bytes, what: str) -> str:
-    """Bytes as UTF-8; invalid sequences become U+FFFD, with a warning naming the first bad byte's offset."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        sys.stderr.write(
-            f"warning: {what} is not valid UTF-8 (first bad byte at offset {e.start}); "
-            "invalid bytes were replaced with U+FFFD\n"
-        )
-        return raw.decode("utf-8", errors="replace")
-
-
-def _generate_one(prompt: str, settings, load, output_format: OutputFormat, stats: bool, color_probs: bool = False) -> None:
-    import dataclasses
-    import json
-
-    from lmcli.console import (
-        PlainOutput,
-        ProbabilityShading,
-        TerminalOutput,
-        print_dim,
-        probability_style,
-        row_summary,
-    )
-    from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template, truncation_warning
-    from lmcli.settings import RowError
-
-    model, tokenizer = load()
-    if settings.chat:
-        require_chat_template(tokenizer)
-    terminal = sys.stdout.isatty()
-    # --color-probs: only for text in a terminal; the colours come from each token's recorded logprob.
-    shading = ProbabilityShading() if color_probs and terminal and output_format == OutputFormat.text else None
-    if shading is not None:
-        settings = dataclasses.replace(settings, logprobs=0)
-    try:
-        row = prepare_row(tokenizer, 1, prompt, settings, context=model.config.max_position_embeddings)
-    except RowError as e:
-        raise UsageError(str(e)) from None
-    if row.dropped_tokens:
-        sys.stderr.write(truncation_warning(row, model.config.max_position_embeddings) + "\n")
-
-    if output_format == OutputFormat.jsonl:
-        output, on_text = None, None
-    else:
-        output = TerminalOutput() if terminal else PlainOutput()
-        # A chat reply is not a continuation of the prompt's text, so it starts on its own line.
-        output.prompt(prompt + "\n" if settings.chat else prompt)
-
-        def on_text(result, piece: str) -> None:
-            if shading is not None and isinstance(output, TerminalOutput):
-                output.write(piece, probability_style(shading.probability(result)))
-            else:
-                output.write(piece)
-
-    try:
-        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
-    except KeyboardInterrupt:
-        if output is not None:
-            output.end()
-        sys.stderr.write("interrupted\n")
-        raise typer.Exit(130) from None
-    except ValueError as e:  # generate() refusing its input, e.g. a prompt longer than the context
-        raise LmcliError(" ".join(str(e).split())) from None
-
-    if output is None:
-        sys.stdout.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
-        sys.stdout.flush()
-    else:
-        output.end()
-    if stats or (terminal and output is not None):
-        print_dim(row_summary(result))
-
-
-def _run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:
-    from lmcli import distributed
-    from lmcli.console import job_summary, print_dim, rows_text
-    from lmcli.jobs import run_job
-
-    job: Callable[..., Any] = run_job
-    quiet = False
-    if distributed.world_size() > 1:  # under torchrun: with --tp the ranks share the model, else the rows
-        job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
-        quiet = not distributed.is_output_rank()
-    elif output_path is not None:
-        distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
-    try:
-        report = job(
-            input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite,
-            identity=identity,
-        )
-    except KeyboardInterrupt:
-        where = f"; finished rows are saved in {output_path}, rerun with --resume to do the rest" if output_path else ""
-        sys.stderr.write(f"interrupted{where}\n")
-        raise typer.Exit(130) from None
-    if report.orphans and not quiet:
-        shown = ", ".join(report.orphans[:3]) + (", …" if len(report.orphans) > 3 else "")
-        sys.stderr.write(f"warning: {output_path} keeps {rows_text(len(report.orphans))} whose id is not in "
-                         f"{input_path} ({shown})\n")
-    if (output_path is not None or stats) and not quiet:
-        print_dim(job_summary(report, output_path))
-    if report.failed:
-        if quiet:
-            raise typer.Exit(1)  # rank 0 says why
-        raise LmcliError(f"{report.failed} of {rows_text(report.rows)} failed; see the \"error\" field of "
-                         + ("that row" if report.failed == 1 else "those rows"))
-
-
 # ----------------------------------------------------------------------------- chat
 
 
@@ -635,6 +543,7 @@ def chat(
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = False,
+    threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,
     system: Annotated[str | None, _option("TEXT", "The system message.", panel=PROMPT_PANEL)] = None,
@@ -659,17 +568,18 @@ def chat(
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
     from lmcli.chat import ChatOptions, run_chat
-    from lmcli.settings import read_model_defaults
 
+    _use_threads(threads)
     settings = _settings_from_flags(decoding, chat=True, system=system)
-    settings = settings.with_model_defaults(read_model_defaults(checkpoint, model))
+    resolved = _resolve(checkpoint, model)
+    settings = settings.with_model_defaults(resolved.defaults)
     options = ChatOptions(
         markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
         explicit=frozenset(_explicit_settings(ctx)),
     )
     try:
-        run_chat(lambda: _load(checkpoint, model, device, dtype, quantize=quantize, compile_decode=compile_decode),
-                 settings, options, checkpoint)
+        run_chat(lambda: _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode),
+                 settings, options, resolved)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
         sys.stderr.write("\ninterrupted\n")
         raise typer.Exit(130) from None
@@ -688,58 +598,9 @@ def _explicit_settings(ctx: typer.Context) -> set[str]:
 @app.command()
 def models() -> None:
     """List the real models on this machine (for --model NAME), then the architectures and presets."""
-    from lmcli import model_names, registry
-    from lmcli.console import human_bytes
+    from lmcli.console import print_models
 
-    local = [
-        (m.name, "default" if m.default else "", _SOURCES[m.source],
-         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
-        for m in model_names.installed_models()
-    ]
-    rows = []
-    for name in registry.list_presets():
-        preset = registry.preset_config(name) or {}
-        config = registry.config_from_hf(preset)
-        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
-        rows.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
-    architectures = ", ".join(registry.list_architectures())
-    searched = f"searched: lmcli's models directory {model_names.models_dir()}, the HF hub cache {model_names.hf_hub_cache()}"
-    if not sys.stdout.isatty():
-        # One record per line, kind first: `lmcli models | grep ^model` lists the real models.
-        for model_row in local:
-            typer.echo("\t".join(("model", *model_row)).rstrip("\t"))
-        typer.echo(f"architectures\t{architectures}")
-        for row in rows:
-            typer.echo("\t".join(("preset", *row)))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
-                         caption_justify="left")
-    notes = any(row[-1] for row in local)
-    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
-        models_table.add_column(column, overflow="fold")
-    for name, default, *rest in local:
-        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
-    if not local:
-        models_table.add_row("(none found)", "", "", "")
-    console.print(models_table)
-    console.print(f"[bold]Architectures:[/bold] {architectures}")
-    table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
-                  title_justify="left")
-    for column in ("preset", "architecture"):
-        table.add_column(column)
-    for column in ("layers", "hidden", "context"):
-        table.add_column(column, justify="right")
-    table.add_column("repo")
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-
-
-_SOURCES = {"package": "PyPI package", "lmcli": "lmcli models dir", "hf": "HF hub cache"}
+    print_models(terminal=sys.stdout.isatty())
 
 
 @app.command()
@@ -756,79 +617,26 @@ def pull(
 
 @app.command()
 def info(
-    checkpoint: Annotated[
-        Path | None,
-        typer.Argument(metavar="CHECKPOINT", exists=True, show_default=False, help="An HF directory, .safetensors or .gguf file (default: the embedded model)."),
-    ] = None,
+    path: Annotated[Path | None, typer.Argument(
+        metavar="[CHECKPOINT]", exists=True, show_default=False,
+        help="The checkpoint, as -c gives it (default: the embedded model).")] = None,
+    checkpoint: CheckpointOption = None,
     model: ModelOption = None,
-    tokenizer_path: TokenizerOption = None,
+    tokenizer: TokenizerOption = None,
     quantize: QuantizeOption = None,
 ) -> None:
     """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
-    from lmcli.console import describe_gguf_storage, describe_tokenizer, human_bytes, human_count
-    from lmcli.default_model import describe_weights
-    from lmcli.model_names import size_on_disk
+    _use_threads(None)  # before anything below loads torch
+    from lmcli.console import checkpoint_facts, print_facts
 
-    loaded, tokenizer = _load(checkpoint, model, Device.cpu, DType.auto, need_tokenizer=False, tokenizer=tokenizer_path,
-                              quantize=quantize)
-    config = loaded.config
-    parameters = loaded.num_parameters()
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    window = config.sliding_window
-    facts = [
-        ("checkpoint", str(checkpoint)),
-        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
-        ("parameters", f"{human_count(parameters)} ({parameters:,})"),
-        ("dtype", dtype),
-        ("weights", describe_weights(loaded)),
-        ("context length", f"{config.max_position_embeddings:,} tokens"),
-        ("sliding window", f"{window:,} tokens" if window else "none"),
-        ("layers", str(config.num_hidden_layers)),
-        ("hidden size", str(config.hidden_size)),
-        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
-        ("vocabulary", f"{config.vocab_size:,}"),
-        ("tokenizer", describe_tokenizer(tokenizer)),
-        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
-    ]
-    facts += _decoding_facts(checkpoint, model)
-    if checkpoint is None and model is not None:
-        from lmcli.model_names import resolve
+    if path is not None and checkpoint is not None and path != checkpoint:
+        raise UsageError(f"info {path} -c {checkpoint}: give the checkpoint once")
+    resolved = _resolve(checkpoint or path, model, tokenizer)
+    loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
+    from lmcli.threads import describe
 
-        checkpoint = Path(resolve(model)[0])
-        facts[0] = ("checkpoint", f"{checkpoint} (found for --model {model})")
-    elif checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = Path(default_checkpoint_path())
-        facts[0] = ("checkpoint", f"{checkpoint} (the embedded default model)")
-    if checkpoint.suffix == ".gguf":
-        facts.insert(4, ("quantization", describe_gguf_storage(checkpoint)))
-    facts.append(("file size", human_bytes(size_on_disk(checkpoint))))
-    facts.extend(_quantization_facts(checkpoint, loaded))
-    if not sys.stdout.isatty():
-        for key, value in facts:
-            typer.echo(f"{key}: {value}")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(show_header=False, box=None)
-    table.add_column(style="bold", no_wrap=True)
-    table.add_column(overflow="fold")  # long paths wrap rather than end in "…"
-    for key, value in facts:
-        table.add_row(key, value)
-    Console().print(table)
-
-
-def _quantization_facts(checkpoint: Path, loaded) -> list[tuple[str, str]]:
-    """The kernels chosen for the quantized weights and why, and what the cache holds."""
-    from lmcli.default_model import describe_cache
-
-    facts = []
-    for kind, choice in getattr(loaded, "kernel_choices", {}).items():
-        facts.append((f"{kind} kernel", choice.describe().split(": ", 1)[1]))
-    facts.append(("cache", describe_cache(checkpoint)))
-    return facts
+    facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe())]
+    print_facts(facts, terminal=sys.stdout.isatty())
 
 
 @app.command()
@@ -852,14 +660,6 @@ def convert(
     written = convert_gguf(gguf_file, out_dir, dtype=torch_dtype)
     files = ", ".join(sorted(p.name for p in written.iterdir()))
     typer.echo(f"wrote {written}: {files}", err=True)
-
-
-def _decoding_facts(checkpoint: Path | None, model: str | None) -> list[tuple[str, str]]:
-    """What `generate` would use with no decoding flags, and where each value comes from."""
-    from lmcli.settings import GenerationSettings, read_model_defaults
-
-    settings = GenerationSettings().with_model_defaults(read_model_defaults(checkpoint, model))
-    return [(f"default {name}", f"{value} ({source})") for name, value, source in settings.described()]
 
 
 _BENCH_PANEL = "What to measure"
@@ -906,7 +706,12 @@ def bench(
         _BENCH_PANEL)] = False,
     quick: Annotated[bool, _switch(
         "--quick", "One round, no 4k context or batch 32, a shorter quality check.", _BENCH_PANEL)] = False,
-    threads: Annotated[int | None, _measure("INT", "Threads per engine. Default: torch's thread count.", min=1)] = None,
+    threads: Annotated[int | None, _measure(
+        "INT", "Threads per engine. Default: lmcli's choice for this machine (see 'lmcli info').", min=1,
+        max=1024)] = None,
+    background_load: Annotated[int | None, _measure(
+        "N", "Also measure prefill and decode while N busy loops keep cores taken (a shared machine), beside "
+             "the quiet figures; the loops are stopped at the end.", min=0, max=256)] = None,
     as_json: Annotated[bool, _switch("--json", "Print the results as JSON instead of tables.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
@@ -917,7 +722,7 @@ def bench(
         model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
         max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
         prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
-        skip_quality=skip_quality, quick=quick, threads=threads, as_json=as_json,
+        skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, as_json=as_json,
     )
     # Unset options are left out so bench.py's own defaults apply (and are validated there).
     bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})

@@ -3,8 +3,8 @@
 - `TerminalOutput` / `PlainOutput` write generated pieces live: rich with a dimmed
   prompt in a terminal; bare text, flushed piece by piece, in a pipe.
 - `JobProgress` is a batch job's progress bar on stderr.
-- `row_summary` / `job_summary` are the dim lines printed after a run; the rest describe a
-  checkpoint for `lmcli info`.
+- `row_summary` / `job_summary` are the dim lines printed after a run.
+- `checkpoint_facts` / `print_facts` are `lmcli info`; `print_models` is `lmcli models`.
 - `probability_style` / `ProbabilityShading` colour streamed text by probability (--color-probs).
 
 rich is imported only when something is shown, to keep `import lmcli` quick.
@@ -20,6 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
+    from lmcli.model_ref import ResolvedModel
 
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string", "interrupted": "Ctrl-C"}
 
@@ -230,3 +231,132 @@ def describe_gguf_storage(path: Path) -> str:
     except ValueError:
         label = None
     return f"{label} ({kinds})" if label else kinds
+
+
+# ----------------------------------------------------------------------------- lmcli info, lmcli models
+
+
+def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer | None) -> list[tuple[str, str]]:
+    """What `lmcli info` says about a loaded model, in order: what it is, its decoding defaults and
+    where each comes from, and what lmcli keeps for it."""
+    from lmcli.model_names import size_on_disk
+    from lmcli.settings import GenerationSettings
+
+    config, path = model.config, resolved.path
+    parameters = model.num_parameters()
+    window = config.sliding_window
+    defaults = GenerationSettings().with_model_defaults(resolved.defaults)  # what `generate` uses with no flags
+    return [
+        ("checkpoint", resolved.described()),
+        ("architecture", f"{config.architecture} (model_type {config.model_type})"),
+        ("parameters", f"{human_count(parameters)} ({parameters:,})"),
+        ("dtype", str(model.dtype).removeprefix("torch.")),
+        *([("quantization", describe_gguf_storage(path))] if resolved.kind == "gguf" else []),
+        ("weights", describe_weights(model)),
+        ("context length", f"{config.max_position_embeddings:,} tokens"),
+        ("sliding window", f"{window:,} tokens" if window else "none"),
+        *(config.stack_facts() if hasattr(config, "stack_facts") else []),  # an encoder-decoder's two stacks
+        ("layers", str(config.num_hidden_layers)),
+        ("hidden size", str(config.hidden_size)),
+        ("heads", f"{config.num_attention_heads} (kv {config.num_key_value_heads})"),
+        ("vocabulary", f"{config.vocab_size:,}"),
+        ("tokenizer", describe_tokenizer(tokenizer)),
+        ("chat template", "yes" if tokenizer is not None and tokenizer.chat_template else "no"),
+        *((f"default {name}", f"{value} ({source})") for name, value, source in defaults.described()),
+        ("file size", human_bytes(size_on_disk(path))),
+        *((f"{kind} kernel", choice.describe()) for kind, choice in getattr(model, "kernel_choices", {}).items()),
+        ("cache", describe_cache(path)),
+    ]
+
+
+def describe_weights(model: Any) -> str:
+    """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
+    counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
+    return ", ".join(f"{form} {human_count(n)}" for form, n in counts)
+
+
+def describe_cache(checkpoint: Path) -> str:
+    """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
+    from lmcli.default_model import dequantised_copies
+    from lmcli.paths import cache_dir
+
+    root = cache_dir()
+    entries = [f"a dequantised {dtype} copy, {human_bytes(size)} (used by --quantize none)"
+               for dtype, size in dequantised_copies(checkpoint)]
+    if (root / "kernels.json").is_file():
+        entries.append("measured kernel choices (kernels.json)")
+    return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")
+
+
+def print_facts(facts: list[tuple[str, str]], terminal: bool) -> None:
+    """`KEY: VALUE` lines in a pipe (`lmcli info | grep`); a two-column table in a terminal."""
+    if not terminal:
+        for key, value in facts:
+            print(f"{key}: {value}")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold", no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap rather than end in "…"
+    for key, value in facts:
+        table.add_row(key, value)
+    Console().print(table)
+
+
+_SOURCES = {"package": "PyPI package", "lmcli": "lmcli models dir", "hf": "HF hub cache"}
+
+
+def print_models(terminal: bool) -> None:
+    """`lmcli models`: the real models on this machine, then the architectures and presets.
+
+    In a pipe, one record per line, kind first: `lmcli models | grep ^model` lists the real models."""
+    from lmcli import model_names, registry
+
+    local = [
+        (m.name, "default" if m.default else "", _SOURCES[m.source],
+         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+        for m in model_names.installed_models()
+    ]
+    presets = []
+    for name in registry.list_presets():
+        preset = registry.preset_config(name) or {}
+        config = registry.config_from_hf(preset)
+        sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
+        presets.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
+    architectures = ", ".join(registry.list_architectures())
+    if not terminal:
+        for model_row in local:
+            print("\t".join(("model", *model_row)).rstrip("\t"))
+        print(f"architectures\t{architectures}")
+        for row in presets:
+            print("\t".join(("preset", *row)))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    searched = (f"searched: lmcli's models directory {model_names.models_dir()}, "
+                f"the HF hub cache {model_names.hf_hub_cache()}")
+    models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
+                         caption_justify="left")
+    notes = any(row[-1] for row in local)
+    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
+        models_table.add_column(column, overflow="fold")
+    for name, default, *rest in local:
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
+    if not local:
+        models_table.add_row("(none found)", "", "", "")
+    console.print(models_table)
+    console.print(f"[bold]Architectures:[/bold] {architectures}")
+    table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
+                  title_justify="left")
+    for column in ("preset", "architecture"):
+        table.add_column(column)
+    for column in ("layers", "hidden", "context"):
+        table.add_column(column, justify="right")
+    table.add_column("repo")
+    for row in presets:
+        table.add_row(*row)
+    console.print(table)

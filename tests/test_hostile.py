@@ -482,3 +482,380 @@ def test_no_truncate_refuses_a_prompt_longer_than_the_context(tiny_checkpoint, t
     assert result.exit_code == 1  # the job goes on; the long row is that row's error
     rows = {row["id"]: row for row in map(json.loads, result.stdout.splitlines())}
     assert "error" not in rows[1] and "the model's context holds 512" in rows[2]["error"]
+
+
+# --- round two: files and transcripts that used to reach an internal error ---------------------------
+
+
+def one_error_line(result, code: int) -> str:
+    """The single stderr line of a failed command, checked: its exit code, no traceback, no internal error."""
+    stderr = result.stderr if isinstance(result.stderr, str) else result.stderr.decode()
+    assert (result.exit_code if hasattr(result, "exit_code") else result.returncode) == code, stderr
+    assert stderr.count("\n") == 1 and stderr.startswith("error: "), stderr
+    assert "internal error" not in stderr and "Traceback" not in stderr
+    return stderr.removeprefix("error: ").rstrip("\n")
+
+
+def write_gguf(path: Path, fill) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    fill(writer)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_merges_that_are_not_token_pairs_are_named(tmp_path):
+    import numpy as np
+
+    def fill(writer):
+        for key, value in (("context_length", 64), ("embedding_length", 32), ("feed_forward_length", 48),
+                           ("block_count", 1), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
+            writer.add_uint32(f"llama.{key}", value)
+        writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+        writer.add_tensor("token_embd.weight", np.zeros((3, 32), dtype=np.float32))
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(["a", "b", "ab"])
+        writer.add_token_merges(["a b", "ab"])
+
+    path = write_gguf(tmp_path / "merges.gguf", fill)
+    result = CliRunner().invoke(app, ["convert", str(path), str(tmp_path / "out")])
+    assert one_error_line(result, 1) == (f"{path}: metadata 'tokenizer.ggml.merges' item 1 must be two tokens "
+                                         "separated by one space, got 'ab'")
+
+
+def test_gguf_merges_of_unknown_tokens_are_named():
+    from lmcli.io.tokenizer import tokenizer_from_gguf
+
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"], "tokenizer.ggml.merges": ["x y"]}
+    with pytest.raises(TokenizerError, match=r"^cannot build a tokenizer from tokenizer.ggml.tokens/merges "
+                                             r"\(.*Token `x` out of vocabulary\)$"):
+        tokenizer_from_gguf(metadata)
+
+
+@pytest.mark.parametrize("file, content, message", [
+    ("tokenizer_config.json", "[1]", "{path}: expected a JSON object, got a list"),
+    ("generation_config.json", '"x"', "{path}: not a JSON object"),  # read first for the model's defaults
+    ("special_tokens_map.json", "[]", "{path}: expected a JSON object, got a list"),
+    ("tokenizer_config.json", '{"added_tokens_decoder": {"5": {"content": 5}}}',
+     '{path}: added_tokens_decoder entry "5" must be an object with a string "content"'),
+    ("tokenizer_config.json", '{"added_tokens_decoder": {"5": {"x": 1}}}',
+     '{path}: added_tokens_decoder entry "5" must be an object with a string "content"'),
+    ("tokenizer_config.json", '{"added_tokens_decoder": {"x": {"content": "q"}}}',
+     '{path}: added_tokens_decoder entry "x": the key must be a token id'),
+    ("tokenizer_config.json", '{"added_tokens_decoder": {"5": {"content": "q", "lstrip": "no"}}}',
+     "{path}: added_tokens_decoder entry \"5\": 'lstrip' must be true or false"),
+    ("tokenizer_config.json", '{"added_tokens_decoder": [1]}',
+     "{path}: field 'added_tokens_decoder' must be an object, got a list"),
+    ("tokenizer_config.json", '{"bos_token": {"content": 3}}',
+     "{path}: field 'bos_token' must be a string or {{\"content\": string}}"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": [1], "template": "x"}]}',
+     "{path}: field 'chat_template' must be a string or a list of {{\"name\": string, \"template\": string}}"),
+    ("tokenizer_config.json", '{"chat_template": 7}', "{path}: field 'chat_template' must be a string, got a number"),
+    ("generation_config.json", '{"eos_token_id": "x"}',
+     "{path}: field 'eos_token_id' must be a token id or a list of them"),
+    ("chat_template.jinja", b"{{ 1 }}\xff", "{path}: not valid UTF-8 (first bad byte at offset 7)"),
+])
+def test_malformed_tokenizer_files_are_named(template_dir, file, content, message):
+    path = template_dir / file
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    result = cli_generate(template_dir, "--chat", "hi")
+    assert one_error_line(result, 1) == message.format(path=path)
+
+
+def test_a_tokenizer_file_over_the_bound_is_refused_before_it_is_read(template_dir):
+    """A sparse 1 GiB tokenizer.json: refused by its size, in a subprocess whose peak memory shows it was
+    never read (the bound is far below the file)."""
+    from lmcli.io.bounded import MAX_TOKENIZER_FILE
+
+    path = template_dir / "tokenizer.json"
+    with open(path, "r+b") as file:
+        file.truncate(2**30)
+    assert path.stat().st_size > MAX_TOKENIZER_FILE
+    script = _PEAK + f"""
+import lmcli
+from lmcli.errors import TokenizerError
+try:
+    lmcli.load({str(template_dir)!r})
+except TokenizerError as e:
+    print(e)
+print(peak_rss_bytes())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                            timeout=300)
+    message, peak = result.stdout.splitlines()[-2:]
+    assert message == f"{path}: the file is 1,024 MiB, more than the {MAX_TOKENIZER_FILE // 2**20} MiB lmcli reads"
+    assert int(peak) < 2**30 / 2  # the 1 GiB file was never read into memory
+
+
+_PEAK = """
+def peak_rss_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+"""
+
+
+def test_a_transcript_whose_model_is_not_an_object_is_named(tiny_checkpoint, tmp_path):
+    transcript = tmp_path / "t.json"
+    transcript.write_text(json.dumps({"format": "lmcli-chat/1", "messages": [], "model": "smollm2"}))
+    result = CliRunner().invoke(app, ["chat", "-c", str(tiny_checkpoint), "--resume", str(transcript)], input="hi\n")
+    assert one_error_line(result, 1) == f'{transcript}: "model" must be an object'
+
+
+@pytest.mark.parametrize("temperature", ["1e-45", "1e-30"])
+def test_the_smallest_temperatures_sample_as_greedy_decoding_does(tiny_checkpoint, temperature):
+    """1e-45 used to overflow logits / temperature and draw an index past the vocabulary."""
+    args = ["generate", "-c", str(tiny_checkpoint), "--format", "jsonl", "-n", "8", "--ignore-eos", "hi"]
+    sampled = CliRunner().invoke(app, [*args, "--temperature", temperature, "--seed", "3"])
+    greedy = CliRunner().invoke(app, [*args, "--greedy"])
+    assert sampled.exit_code == 0 and greedy.exit_code == 0, sampled.stderr + greedy.stderr
+    assert json.loads(sampled.stdout)["completion"] == json.loads(greedy.stdout)["completion"]
+
+
+def _with_file_size_limit(limit: int):
+    import resource
+
+    def apply():  # writes past `limit` bytes fail with EFBIG, as a full disk fails them (Python ignores SIGXFSZ)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_an_output_that_cannot_be_written_is_named(tiny_checkpoint, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("one\ntwo\n")
+    out = tmp_path / "out.jsonl"
+    result = subprocess.run([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input",
+                             str(source), "--output", str(out), "--greedy", "-n", "4"],
+                            capture_output=True, env=subprocess_env(), timeout=300,
+                            preexec_fn=_with_file_size_limit(64))
+    assert one_error_line(result, 1) == f"cannot write {out}: File too large"
+
+
+# --- round two: memory a hostile file could make us use -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dev_zero():
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("needs /dev/zero")  # not Linux
+    return Path("/dev/zero")
+
+
+def test_an_endless_input_line_is_refused_within_the_bound(dev_zero, tmp_path, monkeypatch):
+    import tracemalloc
+
+    from lmcli.io import bounded
+    from lmcli.jobs import read_rows
+    from lmcli.settings import GenerationSettings
+
+    monkeypatch.setattr(bounded, "MAX_INPUT_LINE", 4 * 2**20)  # the same rule, at a test's size
+    tracemalloc.start()
+    try:
+        with pytest.raises(lmcli.errors.LmcliError) as error:
+            read_rows(dev_zero, GenerationSettings())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(error.value) == "input /dev/zero, line 1: longer than 4 MiB"
+    assert peak < 3 * 4 * 2**20
+
+
+def test_the_cli_refuses_dev_zero_as_input_and_as_a_transcript(dev_zero, tiny_checkpoint):
+    from lmcli.io.bounded import MAX_INPUT_LINE, MAX_TRANSCRIPT
+
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--input", "/dev/zero"])
+    assert one_error_line(result, 1) == f"input /dev/zero, line 1: longer than {MAX_INPUT_LINE // 2**20} MiB"
+    result = CliRunner().invoke(app, ["chat", "-c", str(tiny_checkpoint), "--resume", "/dev/zero"], input="hi\n")
+    assert one_error_line(result, 1) == f"/dev/zero: more than the {MAX_TRANSCRIPT // 2**20} MiB lmcli reads"
+
+
+def test_gguf_tensors_that_share_bytes_are_refused_and_memory_stays_bounded(tmp_path):
+    """Every layer's tensors pointed at one region: the header is refused, and loading it in a fresh
+    process peaks far below what the 150 layers it describes would take."""
+    import numpy as np
+
+    from lmcli.errors import GGUFError
+    from lmcli.io.gguf_reader import read_gguf_header
+
+    def fill(writer):
+        for key, value in (("context_length", 64), ("embedding_length", 512), ("feed_forward_length", 512),
+                           ("block_count", 150), ("attention.head_count", 8), ("attention.head_count_kv", 8)):
+            writer.add_uint32(f"llama.{key}", value)
+        writer.add_tensor("token_embd.weight", np.zeros((64, 512), dtype=np.float32))
+        writer.add_tensor("blk.0.attn_q.weight", np.zeros((512, 512), dtype=np.float32))
+
+    path = write_gguf(tmp_path / "alias.gguf", fill)
+    data = bytearray(path.read_bytes())
+    # Rewrite the second tensor's table entry so that it starts inside the first one's data.
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8 + 4  # n_dims, two dims, type: then its offset
+    data[at:at + 8] = (32).to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(GGUFError) as error:
+        read_gguf_header(path)
+    found = re.fullmatch(rf"{re.escape(str(path))}: tensor 'blk.0.attn_q.weight' data \(bytes (\d+)\.\.(\d+)\) "
+                         r"overlaps tensor 'token_embd.weight' \(bytes (\d+)\.\.(\d+)\)", str(error.value))
+    assert found, str(error.value)
+    q_start, q_end, embed_start, embed_end = map(int, found.groups())
+    assert (q_start - embed_start, q_end - q_start, embed_end - embed_start) == (32, 512 * 512 * 4, 64 * 512 * 4)
+    script = _PEAK + f"""
+import torch, lmcli, lmcli.loading, lmcli.io.gguf, lmcli.io.tokenizer
+from lmcli.errors import LmcliError
+print(peak_rss_bytes())
+try:
+    lmcli.load({str(path)!r})
+except LmcliError as e:
+    print(str(e).split(": ", 1)[1])
+print(peak_rss_bytes())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                            timeout=300)
+    imported, message, peak = result.stdout.splitlines()[-3:]
+    assert message.startswith("tensor 'blk.0.attn_q.weight' data"), result.stderr[-2000:]
+    # The bound of tests/test_memory.py: the imports' own footprint plus 1.5 x the file.
+    assert int(peak) <= int(imported) + 1.5 * path.stat().st_size
+
+
+
+_HUGE_LIST = "{% set l = ['x' * 999999] * 999999 %}"  # a million references to one string: 8 MB, text 10^12
+_DOUBLING = "{% set ns = namespace(s='ab') %}{% for i in range(64) %}{% set ns.s = EXPR %}{% endfor %}{{ ns.s }}"
+_A_BLOCK = "{% for i in range(100000) %}{{ 'x' * 999999 }}{% endfor %}"
+_BUILT_STRINGS = {
+    _DOUBLING.replace("EXPR", "'%s%s' % (ns.s, ns.s)"): "a formatted string would hold over 1,000,000 characters",
+    _DOUBLING.replace("EXPR", "'%(a)s%(a)s' % {'a': ns.s}"): "a formatted string would hold over 1,000,000 characters",
+    _DOUBLING.replace("EXPR", "'{}{}'.format(ns.s, ns.s)"): "a formatted string would hold over 1,000,000 characters",
+    _DOUBLING.replace("EXPR", "[ns.s, ns.s]|join"): "join's result would hold 1,048,576 items",
+    _DOUBLING.replace("EXPR", "ns.s|replace('a', 'aa')"): "replace's result would hold 1,048,577 items",
+    _HUGE_LIST + "{{ l }}": "a value shown as text would hold 1,000,005 items",
+    _HUGE_LIST + "{{ l|string }}": "string's input would hold 1,000,005 items",
+    _HUGE_LIST + "{{ l|tojson }}": "tojson's input would hold 1,000,005 items",
+    _HUGE_LIST + "{{ l|pprint }}": "pprint's input would hold 1,000,005 items",
+    _HUGE_LIST + "{{ '%s' % (l,) }}": "a formatted string would hold over 1,000,000 characters",
+    _HUGE_LIST + "{{ '{}'.format(l) }}": "a formatted string would hold over 1,000,000 characters",
+    _HUGE_LIST + "{{ ','.join(l) }}": "str.join's result would hold 1,999,998 items",
+    _HUGE_LIST + "{{ l ~ '' }}": "a joined string would hold 1,000,005 items",
+    _HUGE_LIST + "{{ [l, l]|sum(start=[]) }}": "sum's result would hold 1,999,998 items",
+    _HUGE_LIST + "{% set x = l|batch(1000000000, 'y')|list %}": "batch's rows would hold 1,000,000,000 items",
+    "{% set b %}" + _A_BLOCK + "{% endset %}": "a block's text would hold 1,999,998 items",
+    "{% macro m() %}" + _A_BLOCK + "{% endmacro %}{% set r = m() %}": "a block's text would hold 1,999,998 items",
+    "{% filter upper %}" + _A_BLOCK + "{% endfilter %}": "a block's text would hold 1,999,998 items",
+    "{{ ('\t' * 999999).expandtabs(999999) }}": "str.expandtabs's result would hold 999,999,000,000 items",
+    "{{ lipsum(n=1000000000) }}": "lipsum's result would hold 1,600,000,000,000 items",
+    "{{ '%*s' % (1000000000, 'a') }}": "a formatted string would hold over 1,000,000 characters",
+    "{{ ('x' * 999999).encode() * 1000000 }}": "a repeated string or list would hold 999,999,000,000 items",
+    "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}":
+        "a product over 4096 bits",
+}
+
+
+@pytest.mark.parametrize("template", list(_BUILT_STRINGS))
+def test_every_way_of_building_a_string_is_bounded_before_it_is_built(template_dir, template):
+    """Peak traced memory stays near the 8 MB a million-reference list costs; the text each would build
+    is 10^6 to 10^12 characters."""
+    import tracemalloc
+
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, template)
+    tokenizer = load_tokenizer(template_dir)
+    assert tokenizer is not None
+    tracemalloc.start()
+    try:
+        with pytest.raises(TokenizerError) as error:
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    expected = _BUILT_STRINGS[template] + (" (the limit is 1,000,000)" if "would hold" in _BUILT_STRINGS[template]
+                                           and "over" not in _BUILT_STRINGS[template] else "")
+    assert str(error.value) == f"{template_dir}: chat template failed: {expected}"
+    assert peak < 64 * 2**20
+
+
+@pytest.mark.parametrize("size, fits", [(1_000_000, True), (1_000_001, False)])
+def test_the_rendered_prompt_limit_holds_exactly(template_dir, size, fits):
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, "{% for i in range(4) %}{{ 'x' * N }}{% endfor %}{{ 'y' * R }}"
+                  .replace("N", str(size // 4)).replace("R", str(size % 4)))
+    tokenizer = load_tokenizer(template_dir)
+    assert tokenizer is not None
+    if fits:
+        assert len(tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])) == size
+    else:
+        with pytest.raises(TokenizerError, match=r"the rendered prompt is longer than 1,000,000 characters$"):
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_ordinary_text_building_still_works(template_dir):
+    from lmcli.io.tokenizer import load_tokenizer
+
+    with_template(template_dir, "{{ '%s=%d' % ('a', 2000000) }}|{{ '{}-{}'.format(10**7, 'b') }}|{{ [1, 'x'] }}|"
+                                "{{ messages|map(attribute='content')|join('+') }}|{{ messages|tojson }}|"
+                                "{% set b %}{{ 'in' }}{% endset %}{{ b|upper }}|{{ 3 * 4 }}|{{ 'a\tb'.expandtabs(2) }}|"
+                                "{% macro m(x) %}<{{ x }}>{% endmacro %}{{ m('y') }}")
+    tokenizer = load_tokenizer(template_dir)
+    assert tokenizer is not None
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == ('a=2000000|10000000-b|[1, \'x\']|hi|[{"role": "user", "content": "hi"}]|IN|12|a b|<y>')
+
+
+# --- round two: two writers on one output ----------------------------------------------------------
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from lmcli.io.output_lock import output_lock
+with output_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_writer_is_refused_and_told_which_process_holds_the_output(tiny_checkpoint, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("one\ntwo\n")
+    out = tmp_path / "out.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(out)], stdout=subprocess.PIPE,
+                              env=subprocess_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        second = subprocess.run([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input",
+                                 str(source), "--output", str(out), "--greedy", "-n", "2"],
+                                capture_output=True, env=subprocess_env(), timeout=300)
+        assert one_error_line(second, 1) == (f"{out} is being written by another lmcli job (pid {holder.pid}); "
+                                             "wait for it to finish, or stop it")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder was killed: its lock went with it, and the next job runs.
+    third = subprocess.run([sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input",
+                            str(source), "--output", str(out), "--greedy", "-n", "2"],
+                           capture_output=True, env=subprocess_env(), timeout=300)
+    assert third.returncode == 0, third.stderr.decode()
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.full  # two model loads at once: ~25 s on the shared machine
+def test_two_jobs_resuming_one_output_at_once_write_each_row_once(tiny_checkpoint, tmp_path):
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"prompt {i}\n" for i in range(6)))
+    out = tmp_path / "out.jsonl"
+    out.write_text("")
+    command = [sys.executable, "-m", "lmcli", "generate", "-c", str(tiny_checkpoint), "--input", str(source),
+               "--output", str(out), "--greedy", "-n", "4", "--resume"]
+    jobs = [subprocess.Popen(command, stderr=subprocess.PIPE, env=subprocess_env()) for _ in range(2)]
+    results = [(job.wait(timeout=300), job.stderr.read().decode()) for job in jobs if job.stderr is not None]
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == [1, 2, 3, 4, 5, 6]  # each row once, whichever way the two met
+    for code, stderr in results:
+        # Either it ran (alone, or after the other finished) or it was refused naming the other's pid.
+        assert code == 0 or re.fullmatch(rf"error: {re.escape(str(out))} is being written by another lmcli job "
+                                         r"\(pid \d+\); wait for it to finish, or stop it\n", stderr), stderr

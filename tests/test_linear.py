@@ -9,8 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcli.models import linear
-from lmcli.models.linear import GroupQuantized, QuantEmbedding, QuantLinear, build_kernel
+from lmcli.models import kernel_plan, kernels
+from lmcli.models.kernels import build_kernel
+from lmcli.models.linear import QuantEmbedding, QuantLinear
+from lmcli.quant.stored import GroupQuantized
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's largest value
 KERNELS = {4: ["int4pack", "dequantise"], 8: ["int4pair", "dequantise"]}
@@ -98,7 +100,7 @@ def test_round_to_nearest_quantization_error_is_within_half_a_step(bits):
 
 
 def test_pack_layout_reads_back_what_torch_packed():
-    layout = linear.cpu_pack_layout()
+    layout = kernels.cpu_pack_layout()
     if layout is None:
         pytest.skip("torch's CPU int4 packing is not a row-block layout here (the kernels expand nothing)")
     codes = torch.randint(0, 16, (2 * layout.block, 64), dtype=torch.int32)
@@ -113,21 +115,21 @@ def test_pack_layout_reads_back_what_torch_packed():
 def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
-    monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
-    linear._cached_plans.cache_clear()
-    choice = linear.kernel_plan("int8", torch.bfloat16)
+    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
+    kernel_plan._cached_plans.cache_clear()
+    choice = kernel_plan.measured_plan("int8", torch.bfloat16)
     assert choice.kernel in KERNELS[8] and f"{choice.kernel}@1" in choice.seconds and choice.why
     stored = json.loads((tmp_path / "kernels.json").read_text())
     (machine,) = stored.values()
     assert machine["int8|bfloat16,float32"]["bfloat16"]["kernel"] == choice.kernel
-    linear._cached_plans.cache_clear()
+    kernel_plan._cached_plans.cache_clear()
 
     def must_not_measure(*args):
         raise AssertionError("measured again despite the cache")
 
-    monkeypatch.setattr(linear, "measure", must_not_measure)
-    assert linear.kernel_plan("int8", torch.bfloat16) == choice
-    linear._cached_plans.cache_clear()
+    monkeypatch.setattr(kernel_plan, "measure", must_not_measure)
+    assert kernel_plan.measured_plan("int8", torch.bfloat16) == choice
+    kernel_plan._cached_plans.cache_clear()
 
 
 def test_a_plan_measured_on_a_crowded_machine_is_measured_again_when_it_is_quiet(tmp_path, monkeypatch):
@@ -138,20 +140,20 @@ def test_a_plan_measured_on_a_crowded_machine_is_measured_again_when_it_is_quiet
 
     def stand_in(kind, device, dtypes):  # a plan whose kernel names the measurement it came from
         measured.append(kind)
-        return {"bfloat16": linear.KernelChoice(kind, "bfloat16", f"measurement {len(measured)}", None, "", {})}
+        return {"bfloat16": kernel_plan.KernelChoice(kind, "bfloat16", f"measurement {len(measured)}", None, "", {})}
 
-    monkeypatch.setattr(linear, "_measure_apart", lambda kind, dtypes: None)
-    monkeypatch.setattr(linear, "measure", stand_in)
+    monkeypatch.setattr(kernel_plan, "_measure_apart", lambda kind, dtypes: None)
+    monkeypatch.setattr(kernel_plan, "measure", stand_in)
     for load_then, load_now, measured_again in [(3.0, 0.1, True), (3.0, 0.9, False), (0.4, 0.1, False)]:
-        monkeypatch.setattr(linear, "_load_average", lambda value=load_then: value)
-        linear._cached_plans.cache_clear()
+        monkeypatch.setattr(kernel_plan, "_load_average", lambda value=load_then: value)
+        kernel_plan._cached_plans.cache_clear()
         (tmp_path / "kernels.json").unlink(missing_ok=True)
-        first = linear.kernel_plan("int4", torch.bfloat16)
-        monkeypatch.setattr(linear, "_load_average", lambda value=load_now: value)
-        linear._cached_plans.cache_clear()
-        second = linear.kernel_plan("int4", torch.bfloat16)
+        first = kernel_plan.measured_plan("int4", torch.bfloat16)
+        monkeypatch.setattr(kernel_plan, "_load_average", lambda value=load_now: value)
+        kernel_plan._cached_plans.cache_clear()
+        second = kernel_plan.measured_plan("int4", torch.bfloat16)
         assert (second.kernel != first.kernel) == measured_again, (load_then, load_now)
-    linear._cached_plans.cache_clear()
+    kernel_plan._cached_plans.cache_clear()
 
 
 # --- --quantize on a float checkpoint, end to end ---------------------------------------------------
@@ -162,10 +164,10 @@ def quick_plans(tmp_path, monkeypatch):
     """Kernel choices measured on a small probe into a private cache, so tests stay fast."""
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
-    monkeypatch.setattr(linear, "_PROBE_SHAPE", (128, 256))
-    linear._cached_plans.cache_clear()
+    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
+    kernel_plan._cached_plans.cache_clear()
     yield
-    linear._cached_plans.cache_clear()
+    kernel_plan._cached_plans.cache_clear()
 
 
 @pytest.mark.parametrize("case", ["llama-mha-tied-bias", "gpt2", "mixtral"])

@@ -9,6 +9,7 @@ against OpenAI's documented formulas written out below (text_offset, usage, fini
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -53,11 +54,11 @@ def greedy(tiny_checkpoint):
 
     def run(prompt, n, *, eos_bias=0.0, chat_form=False):
         if chat_form:
-            ids = hf.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            rendered: Any = hf.apply_chat_template([{"role": "user", "content": prompt}],
+                                                   add_generation_prompt=True, tokenize=True)
+            ids: list[int] = list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
         else:
-            ids = hf(prompt)["input_ids"]
+            ids = list(hf(prompt)["input_ids"])
 
         def bias(_ids, scores):
             scores = scores.clone()

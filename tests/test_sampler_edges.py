@@ -8,6 +8,7 @@ written out here at the place lmcli documents for it (after the repetition penal
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -91,7 +92,49 @@ def test_typical_p_at_an_exact_tie(mass):
     """Four equally likely tokens: each has the same surprise, so the cut falls inside a tie; transformers
     keeps the tokens its stable sort puts first."""
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, -30.0, -30.0] + [-30.0] * (V - 6)])
-    got = TypicalP(mass)(None, logits)  # type: ignore[arg-type]
-    want = TypicalLogitsWarper(mass)(None, logits.clone())  # type: ignore[arg-type]
+    got = TypicalP(mass)(None, logits)  # type: ignore[arg-type]  # it ignores input_ids
+    want = TypicalLogitsWarper(mass)(None, logits.clone())
     assert torch.equal(torch.isfinite(got), torch.isfinite(want))
     assert torch.isfinite(got).sum() >= 1
+
+
+def test_padded_batch_rows_equal_transformers_processors_alone(tmp_path, one_thread):
+    """Each row of a left-padded batch sampled through lmcli's chain equals the row sampled alone through
+    transformers' processors (and OpenAI's penalties written out), under the same seeded stream."""
+    from tiny import PAD, VOCAB, left_pad, prompts, save_reference
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        MinPLogitsWarper,
+    )
+
+    import lmcli
+
+    save_reference("llama", tmp_path)
+    model = lmcli.load(tmp_path)[0]
+    # Rows that start and end with the same token: the pads (copies of the first token) must form no
+    # n-gram, so a row may still repeat its last token (made likely by the bias on 11) as it does alone.
+    rows = [torch.tensor([11, 12, 11]), *prompts([9], seed=31), torch.tensor([11, 40, 41, 42, 11])]
+    ids, mask = left_pad(rows)
+    values: dict[str, Any] = dict(temperature=0.9, min_p=0.05, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3,
+                  no_repeat_ngram_size=2, min_new_tokens=4, logit_bias={5: 2.0, 7: -100.0, 11: 6.0})
+    width = ids.shape[1]
+    do_sample, processors = SamplingSettings(**values).policy(
+        prompt_length=width, pad_counts=[width - len(r) for r in rows], eos_token_ids=[2], vocab_size=VOCAB)
+    batch = model.generate(ids, 10, do_sample, attention_mask=mask, seed=[1, 2, 3], logits_processors=processors,
+                           eos_token_id=2, pad_token_id=PAD)
+    for i, row in enumerate(rows):
+        length = len(row)
+        reference = LogitsProcessorList([
+            SequenceBiasLogitsProcessor([[[5], 2.0], [[7], -100.0], [[11], 6.0]]),
+            RepetitionPenaltyLogitsProcessor(1.3),
+            lambda x, s, n=length: openai(x, s, n, 0.5, 0.3),
+            NoRepeatNGramLogitsProcessor(2),
+            MinNewTokensLengthLogitsProcessor(length, 4, 2),
+            TemperatureLogitsWarper(0.9),
+            MinPLogitsWarper(0.05),
+        ])
+        alone = model.generate(row[None], 10, True, seed=[i + 1], logits_processors=[reference],
+                               eos_token_id=2, pad_token_id=PAD)
+        got = batch[i, width - length:][: alone.shape[1]]
+        assert got.tolist() == alone[0].tolist(), i

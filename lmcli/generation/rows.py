@@ -172,8 +172,12 @@ def generate_batch(
     bias = settings.logit_bias_ids(tokenizer, vocab_size) if vocab_size is not None else {}
     # The whole chain (penalties, then temperature and truncation) is built here, in transformers'
     # order; generate()'s own temperature/top_k/top_p stay neutral.
+    # An encoder-decoder's prompt is its encoder's input: the text the processors see, and the one
+    # the new tokens continue, is the decoder's (its start token, then what it generates).
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
-        prompt_length=width, pad_counts=[width - len(r.prompt_ids) for r in rows],
+        prompt_length=1 if encoder_decoder else width,
+        pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
     )
     top_logprobs = settings.logprobs
@@ -187,7 +191,8 @@ def generate_batch(
 
     started = time.perf_counter()
     results = [
-        RowResult(r, RowText(tokenizer, r.settings.stop, r.prompt_ids), started=started, logprobs=[] if top_logprobs is not None else None)
+        RowResult(r, RowText(tokenizer, r.settings.stop, () if encoder_decoder else r.prompt_ids), started=started,
+                  logprobs=[] if top_logprobs is not None else None)
         for r in rows
     ]
 

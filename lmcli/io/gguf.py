@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from lmcli.errors import GGUFError
+from lmcli.errors import GGUFError, TokenizerError
 from lmcli.io.gguf_reader import BF16, F16, F32, NATIVE_BLOCKS, GGUFHeader, TensorInfo, mapped_gguf
-from lmcli.models.linear import GroupQuantized
+from lmcli.quant.stored import GroupQuantized
 
 
 @dataclass
@@ -426,7 +426,10 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: torch.dtype = tor
     from lmcli.io.tokenizer import tokenizer_from_gguf
 
     checkpoint = read_gguf(path, dtype)
-    tokenizer = tokenizer_from_gguf(checkpoint.metadata)
+    try:
+        tokenizer = tokenizer_from_gguf(checkpoint.metadata)
+    except TokenizerError as e:  # what is wrong with the vocabulary, in the file it came from
+        raise TokenizerError(f"{path}: {e}") from None
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as work:  # a killed convert leaves no half-written out_dir
         write_hf_weights(checkpoint, work)

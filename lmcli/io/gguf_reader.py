@@ -11,7 +11,7 @@ import contextlib
 import math
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -281,7 +281,19 @@ def _parse_header(buf: mmap.mmap, path: Path) -> GGUFHeader:
         if name in tensors:
             raise cur.fail(f"tensor '{name}' appears twice")
         tensors[name] = TensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
+    _refuse_overlaps(tensors.values(), cur)
     return GGUFHeader(path, version, metadata, tensors, cur.size)
+
+
+def _refuse_overlaps(tensors: Iterable[TensorInfo], cur: _Cursor) -> None:
+    """Each tensor's data has bytes of its own: tensors that share bytes would let a small file describe
+    a model many times its size (every layer reading the same region), so they are refused."""
+    previous: TensorInfo | None = None
+    for tensor in sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset):
+        if previous is not None and tensor.offset < previous.offset + previous.nbytes:
+            raise cur.fail(f"tensor '{tensor.name}' data (bytes {tensor.offset}..{tensor.offset + tensor.nbytes}) "
+                           f"overlaps tensor '{previous.name}' (bytes {previous.offset}..{previous.offset + previous.nbytes})")
+        previous = tensor
 
 
 @contextmanager

@@ -79,7 +79,8 @@ class BaseModel(nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
+        self.batch_invariant = False  # attention per row and query (models/row_attention.py), set at load
+        self.kernel_choices: dict[str, Any] = {}  # weight format -> KernelChoice (models/kernel_plan.py)
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
         self.eval()
@@ -159,7 +160,8 @@ class BaseModel(nn.Module):
             x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
-        inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end)
+        inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
+                                 by_row=self.batch_invariant)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:

@@ -107,6 +107,9 @@ class AttentionInputs:
     # layer type -> additive mask [B, 1, rep * T, S] (0 or -inf, in the activation dtype), built by the
     # first layer of each type: layers of one type share their key slots.
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Batch-invariant attention (models/row_attention.py): layer type -> which keys each query reads.
+    by_row: bool = False
+    row_plans: dict[str, list] = field(default_factory=dict)
 
 
 class Attention(nn.Module):
@@ -165,6 +168,8 @@ class Attention(nn.Module):
             key_slots = inputs.query_slots
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
+        if inputs.by_row:
+            return self._attend_by_row(q, k, v, key_slots, inputs)
         mask = inputs.masks.get(self.layer_type)
         if mask is None:
             mask = inputs.masks[self.layer_type] = self._mask(inputs, key_slots, q.dtype)  # (B, 1, rep * T, S)
@@ -181,6 +186,22 @@ class Attention(nn.Module):
         out = out.reshape(B, self.num_heads, T, self.head_dim)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
         return self.o_proj(out)
+
+    def _attend_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
+                       inputs: AttentionInputs) -> torch.Tensor:
+        from lmcli.models.row_attention import attend_by_row, row_plans
+
+        B, _, T, _ = q.shape
+        plans = inputs.row_plans.get(self.layer_type)
+        if plans is None:
+            one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None
+            plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots, inputs.slot_is_token,
+                                                                  self.window, q.dtype, one_call)
+        rep = self.num_heads // self.num_kv_heads
+        q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
+        out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)
+        out = out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
     def _mask(self, inputs: AttentionInputs, key_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive [B, 1, rep * T, S] in `dtype`: 0 where a query may attend to a key, -inf elsewhere;

@@ -3,9 +3,10 @@
 Templates come with checkpoints, so they run in jinja2's ImmutableSandboxedEnvironment: no attribute
 access to Python internals, no mutation of the values passed in. A template is also code from a
 stranger that could ask for `'a' * 10**10`, so its resources are bounded (`render_bounded`):
-- every string or list it builds (`*`, `+`, `~`, `%`, `.format`, padding/replacing methods and filters)
-  holds at most MAX_ITEMS characters or items, checked before it is built;
-- `**` has a bounded result, and range() is bounded by jinja2's sandbox (MAX_RANGE);
+- every string or list it builds holds at most MAX_ITEMS characters or items, measured before it is
+  built (template_limits.py): operators, `.format`, str methods, filters, the text `{{ ... }}` shows,
+  and the buffers that blocks and macros collect;
+- `*` and `**` of integers have bounded results, and range() is bounded by jinja2's sandbox (MAX_RANGE);
 - the output holds at most MAX_OUTPUT characters, and rendering stops after MAX_SECONDS.
 """
 
@@ -13,8 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import re
 import signal
 import threading
 import time
@@ -23,17 +22,20 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-MAX_ITEMS = 1_000_000  # characters of one string / items of one list a template may build
+from lmcli.io.tokenizer.template_limits import (
+    TemplateLimitError,
+    check_binop,
+    check_method_call,
+    check_percent_format,
+    check_size,
+    check_str_format,
+    check_text,
+    joined_size,
+    text_size,
+)
+
 MAX_OUTPUT = 1_000_000  # characters of rendered prompt (far beyond any model's context)
 MAX_SECONDS = 5.0  # real templates render in milliseconds
-_MAX_POWER_BITS = 4096  # `**` results: integers of at most this many bits
-
-# Numbers in a %-format or str.format string, e.g. the width in "%10000000000s".
-_FORMAT_NUMBER = re.compile(r"\d+")
-
-
-class TemplateLimitError(Exception):
-    """A chat template went over one of the bounds above."""
 
 
 def render_bounded(template: Any, **variables: Any) -> str:
@@ -74,59 +76,6 @@ def _time_limit(seconds: float) -> Iterator[None]:
             signal.setitimer(signal.ITIMER_REAL, *previous_timer)
 
 
-def _check_size(size: float, what: str) -> None:
-    if size > MAX_ITEMS:
-        raise TemplateLimitError(f"{what} would hold {size:,.0f} items (the limit is {MAX_ITEMS:,})")
-
-
-def _sized(value: Any) -> bool:
-    return isinstance(value, (str, list, tuple))
-
-
-def _check_format_string(text: Any) -> None:
-    if isinstance(text, str) and any(int(n) > MAX_ITEMS for n in _FORMAT_NUMBER.findall(text)):
-        raise TemplateLimitError(f"a format width or precision over {MAX_ITEMS:,}")
-
-
-def _check_binop(operator: str, left: Any, right: Any) -> None:
-    """Refuse an operation whose result would be too large, before Python builds it."""
-    if operator == "*":
-        for sequence, count in ((left, right), (right, left)):
-            if _sized(sequence) and isinstance(count, int):
-                _check_size(len(sequence) * max(count, 0), "a repeated string or list")
-    elif operator == "+" and _sized(left) and _sized(right):
-        _check_size(len(left) + len(right), "a joined string or list")
-    elif operator == "%":
-        _check_format_string(left)
-    elif (operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1
-          and right * math.log2(abs(left)) > _MAX_POWER_BITS):
-        raise TemplateLimitError(f"a power over {_MAX_POWER_BITS} bits")
-
-
-# String and list methods that take a size: their integer arguments are bounded like results.
-_SIZED_METHODS = {"center", "ljust", "rjust", "zfill", "expandtabs", "replace", "join"}
-
-
-def _check_call_arguments(name: str, args: tuple, kwargs: dict) -> None:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, int) and not isinstance(value, bool):
-            _check_size(value, f"str.{name}'s result")
-
-
-def _check_call(function: Any, args: tuple, kwargs: dict) -> None:
-    owner = getattr(function, "__self__", None)
-    name = getattr(function, "__name__", "")
-    if not (_sized(owner) and name in _SIZED_METHODS):
-        return
-    _check_call_arguments(name, args, kwargs)
-    if name == "replace" and len(args) >= 2 and isinstance(owner, str):
-        old, new = str(args[0]), str(args[1])
-        count = owner.count(old) if old else len(owner) + 1
-        _check_size(len(owner) + count * max(len(new) - len(old), 0), "str.replace's result")
-    elif name == "join" and isinstance(owner, str) and args and isinstance(args[0], (list, tuple)):
-        _check_size(sum(len(str(x)) for x in args[0]) + len(owner) * len(args[0]), "str.join's result")
-
-
 @lru_cache(maxsize=8)
 def compile_template(source: str) -> Any:
     environment = _chat_environment()
@@ -149,35 +98,42 @@ def _chat_environment() -> Any:
                 self.write(", ")
             self.write("))")
 
+        def buffer(self, frame):  # what blocks, macros and `{% set %}...{% endset %}` collect: bounded
+            frame.buffer = self.temporary_identifier()
+            self.writeline(f"{frame.buffer} = environment.bounded_buffer()")
+
     class BoundedSandbox(ImmutableSandboxedEnvironment):
         code_generator_class = BoundedCodeGenerator
         intercepted_binops = frozenset(["*", "+", "%", "**"])
+        bounded_buffer = _BoundedBuffer
 
         def call_binop(self, context, operator, left, right):
-            _check_binop(operator, left, right)
+            check_binop(operator, left, right)
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # jinja2's signature
-            _check_call(__obj, args, kwargs)
+            owner = getattr(__obj, "__self__", None)
+            if owner is not None:
+                args = check_method_call(owner, getattr(__obj, "__name__", ""), args, kwargs)
             return super().call(__context, __obj, *args, **kwargs)
 
         def wrap_str_format(self, value):  # "...".format(...): the sandbox's formatter, bounded
             wrapped = super().wrap_str_format(value)
             if wrapped is None:
                 return None
-            _check_format_string(value.__self__)
+            text, is_map = value.__self__, value.__name__ == "format_map"
 
             def bounded_format(*args, **kwargs):
-                _check_call_arguments("format", args, kwargs)  # nested widths: '{:{}}'.format(x, 10**10)
+                mapping = args[0] if is_map and len(args) == 1 and isinstance(args[0], dict) else kwargs
+                check_str_format(text, () if is_map else args, mapping)
                 return wrapped(*args, **kwargs)
 
             return bounded_format
 
         @staticmethod
         def bounded_concat(parts):
-            texts = [str(part) for part in parts]
-            _check_size(sum(map(len, texts)), "a joined string")
-            return "".join(texts)
+            check_size(sum(text_size(part) for part in parts), "a joined string")
+            return "".join(str(part) for part in parts)
 
     class GenerationBlock(Extension):
         # `{% generation %}...{% endgeneration %}` marks assistant text for training masks; here it
@@ -202,48 +158,116 @@ def _chat_environment() -> Any:
     def strftime_now(format):
         return datetime.now().strftime(format)
 
-    environment = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
-    _bound_sized_filters(environment.filters)
+    environment = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols],
+                                 finalize=lambda value: check_text(value, "a value shown as text"))
     environment.filters["tojson"] = tojson
+    _bound_sized_filters(environment.filters)
+    environment.globals["lipsum"] = _bounded_lipsum(environment.globals["lipsum"])
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     return environment
 
 
+class _BoundedBuffer(list):
+    """The text a block or macro collects before it is joined: at most MAX_ITEMS characters."""
+
+    size = 0
+
+    def append(self, piece: Any) -> None:
+        self.size += text_size(piece)
+        check_size(self.size, "a block's text")
+        super().append(piece)
+
+    def extend(self, pieces: Any) -> None:
+        for piece in pieces:
+            self.append(piece)
+
+
+def _bounded_lipsum(lipsum: Any) -> Any:
+    def bounded_lipsum(n=5, html=True, min=20, max=100):
+        check_size(n * max * 16, "lipsum's result")  # words of at most 15 letters and a space
+        return lipsum(n, html, min, max)
+
+    return bounded_lipsum
+
+
+# Filters that turn their input into text: the input's text is measured first.
+_TEXT_FILTERS = ("capitalize", "e", "escape", "forceescape", "lower", "upper", "title", "trim", "striptags",
+                 "truncate", "wordcount", "urlize", "urlencode", "pprint", "string", "safe", "xmlattr", "int",
+                 "float", "tojson")
+
+
 def _bound_sized_filters(filters: dict[str, Any]) -> None:
     """Filters whose result size a template chooses: checked like the operators."""
-    center, indent, wordwrap, replace, format_, join = (filters[name] for name in
-                                                        ("center", "indent", "wordwrap", "replace", "format", "join"))
+    center, indent, wordwrap, replace, format_, join, batch, slice_, sum_ = (
+        filters[name] for name in ("center", "indent", "wordwrap", "replace", "format", "join", "batch", "slice",
+                                   "sum"))
 
     def bounded_center(value, width=80):
-        _check_size(width, "center's result")
-        return center(value, width)
+        check_size(width, "center's result")
+        return center(check_text(value, "center's input"), width)
 
     def bounded_indent(value, width=4, *args, **kwargs):
-        _check_size(len(str(value)) * (1 + (width if isinstance(width, int) else len(str(width)))), "indent's result")
+        check_size(text_size(value) * (1 + (width if isinstance(width, int) else text_size(width))), "indent's result")
         return indent(value, width, *args, **kwargs)
 
     def bounded_wordwrap(environment, value, width=79, *args, **kwargs):
-        _check_size(len(str(value)) * 2 + (width if isinstance(width, int) else 0), "wordwrap's result")
+        check_size(text_size(value) * 2 + (width if isinstance(width, int) else 0), "wordwrap's result")
         return wordwrap(environment, value, width, *args, **kwargs)
 
     def bounded_replace(eval_ctx, value, old, new, count=None):
-        text, old, new = str(value), str(old), str(new)
+        text = str(check_text(value, "replace's input"))
+        old, new = str(check_text(old, "replace's input")), str(check_text(new, "replace's input"))
         times = text.count(old) if old else len(text) + 1
-        _check_size(len(text) + times * max(len(new) - len(old), 0), "replace's result")
+        check_size(len(text) + times * max(len(new) - len(old), 0), "replace's result")
         return replace(eval_ctx, value, old, new, count)
 
     def bounded_format(value, *args, **kwargs):
-        _check_format_string(value)
+        if isinstance(value, str):
+            check_percent_format(value, kwargs if kwargs else tuple(args))
         return format_(value, *args, **kwargs)
 
     def bounded_join(eval_ctx, value, d="", attribute=None):
         items = list(value)
-        _check_size(sum(len(str(x)) for x in items) + len(str(d)) * len(items), "join's result")
+        if attribute is None:
+            check_size(joined_size(items, d), "join's result")
         return join(eval_ctx, items, d, attribute)
+
+    def bounded_batch(value, linecount, fill_with=None):
+        if fill_with is not None and isinstance(linecount, int):
+            check_size(linecount, "batch's rows")
+        return batch(value, linecount, fill_with)
+
+    def bounded_slice(value, slices, fill_with=None):
+        if isinstance(slices, int):
+            check_size(slices, "slice's result")
+        return slice_(value, slices, fill_with)
+
+    def bounded_sum(environment, iterable, attribute=None, start=0):
+        items = list(iterable)
+        if attribute is None and isinstance(start, (list, tuple, str)):
+            check_size(len(start) + sum(len(x) for x in items if isinstance(x, (list, tuple, str))), "sum's result")
+        return sum_(environment, items, attribute, start)
 
     from jinja2.utils import pass_environment, pass_eval_context
 
+    for name in _TEXT_FILTERS:
+        filters[name] = _measuring_input(filters[name], name)
     filters.update(center=bounded_center, indent=bounded_indent, wordwrap=pass_environment(bounded_wordwrap),
                    replace=pass_eval_context(bounded_replace), format=bounded_format,
-                   join=pass_eval_context(bounded_join))
+                   join=pass_eval_context(bounded_join), batch=bounded_batch, slice=bounded_slice,
+                   sum=pass_environment(bounded_sum))
+
+
+def _measuring_input(function: Any, name: str) -> Any:
+    """`function` (a filter), refusing an input whose text would be over the limit."""
+    import functools
+
+    @functools.wraps(function)  # keeps jinja2's pass_context/pass_environment marks
+    def measured(*args, **kwargs):
+        for value in args:
+            if not hasattr(value, "environment") and not hasattr(value, "autoescape"):  # not jinja2's own
+                check_text(value, f"{name}'s input")
+        return function(*args, **kwargs)
+
+    return measured

@@ -41,11 +41,32 @@ GGUF_PRE_SPLITS = {
 
 
 def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
-    """The tokenizer a GGUF file's metadata describes, built as transformers builds it (gguf_file=)."""
+    """The tokenizer a GGUF file's metadata describes, built as transformers builds it (gguf_file=).
+    Errors name the metadata key; the caller adds the file."""
     kind = metadata.get("tokenizer.ggml.model")
     tokens = [_text(token) for token in metadata.get("tokenizer.ggml.tokens") or []]
     if not tokens:
         raise TokenizerError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    try:
+        return _tokenizer_from_gguf(metadata, kind, tokens)
+    except _BadMetadata as exc:
+        raise TokenizerError(str(exc)) from None
+
+
+class _BadMetadata(Exception):
+    """A tokenizer.ggml value of the right type but the wrong shape; the message names the key."""
+
+
+def _bpe_backend(**options: Any) -> Backend:
+    """A BPE tokenizer; the tokenizers library's refusal (a plain Exception) becomes _BadMetadata."""
+    try:
+        return Backend(models.BPE(**options))
+    except Exception as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise _BadMetadata(f"cannot build a tokenizer from tokenizer.ggml.tokens/merges ({message})") from None
+
+
+def _tokenizer_from_gguf(metadata: dict, kind: Any, tokens: list[str]) -> Tokenizer:
     types = [int(kind_) for kind_ in metadata.get("tokenizer.ggml.token_type") or []]
     architecture = _text(metadata.get("general.architecture", ""))
     if kind == "gpt2":
@@ -110,11 +131,11 @@ def _byte_level_backend(tokens: list[str], metadata: dict) -> Backend:
         vocab[spelled] = index
     raw_merges = metadata.get("tokenizer.ggml.merges")
     if raw_merges is not None:
-        merges = [cast(tuple[str, str], tuple(_text(merge).split(" "))) for merge in raw_merges]
+        merges = [_merge(merge, number) for number, merge in enumerate(raw_merges)]
     else:
         merges = implied_merges(vocab)
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                 end_of_word_suffix="", fuse_unk=False))
+    backend = _bpe_backend(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                           end_of_word_suffix="", fuse_unk=False)
     split = GGUF_PRE_SPLITS.get(_text(metadata.get("tokenizer.ggml.pre", "")))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -127,11 +148,19 @@ def _byte_level_backend(tokens: list[str], metadata: dict) -> Backend:
     return backend
 
 
+def _merge(merge: Any, number: int) -> tuple[str, str]:
+    pair = tuple(_text(merge).split(" "))
+    if len(pair) != 2 or not all(pair):
+        raise _BadMetadata(f"metadata 'tokenizer.ggml.merges' item {number} must be two tokens separated by one space, "
+                           f"got {_text(merge)[:40]!r}")
+    return cast(tuple[str, str], pair)
+
+
 def _sentencepiece_backend(tokens: list[str], scores: list[float]) -> Backend:
     """A SentencePiece vocabulary from llama.cpp: merges ranked by piece score, Llama's spaces."""
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = implied_merges(vocab, dict(zip(tokens, scores)) if scores else None)
-    backend = Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+    backend = _bpe_backend(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None)
     llama_text_handling(backend, add_prefix_space=True, legacy=False)
     return backend
 
@@ -142,8 +171,10 @@ def _gemma_backend(tokens: list[str]) -> Backend:
     respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {token: index for index, token in enumerate(respelled)}
     ranks = {token: -index for index, token in enumerate(respelled)}
-    backend = Backend(models.BPE(vocab=vocab, merges=implied_merges(vocab, ranks), fuse_unk=True,
-                                 unk_token="<unk>", byte_fallback=True, dropout=None))
+    if "<unk>" not in vocab:  # the model falls back on it for any text it cannot spell
+        raise _BadMetadata("metadata 'tokenizer.ggml.tokens' has no '<unk>', which a Gemma vocabulary needs")
+    backend = _bpe_backend(vocab=vocab, merges=implied_merges(vocab, ranks), fuse_unk=True, unk_token="<unk>",
+                           byte_fallback=True, dropout=None)
     backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),

@@ -1,0 +1,129 @@
+"""`lmcli bench`'s tables: what a person sees of the results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _rate(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None or value != value else f"{value:,.{digits}f}"
+
+
+def _label(name: str, figures: dict[str, Any], results: dict[str, Any]) -> str:
+    if name == "lmcli float":
+        return f"lmcli {results['float_dtype']}"
+    if name == "lmcli native":
+        return f"lmcli {results['native_format'] or 'native'}"
+    if name.startswith("lmcli"):
+        return f"{name} (--quantize)"
+    if name == "transformers":
+        return f"transformers {results['float_dtype']}"
+    if name == "llama.cpp":
+        return f"llama.cpp {results['native_format'] or ''} {figures.get('version', '')}".rstrip()
+    return name
+
+
+def _ratio(figures: dict[str, Any], other: str, key: str) -> str:
+    ratios = figures.get(f"vs_{other}", {})
+    return f"{ratios[key]:.2f}x" if key in ratios else ""
+
+
+def _shared_cells(figures: dict[str, Any], batches: list[int]) -> list[str]:
+    """The figures measured while the busy loops spun (--background-load)."""
+    ttft = figures.get("shared_ttft_s")
+    return [_rate(ttft * 1000 if ttft is not None else None, 0),
+            *(_rate(figures.get(f"shared_decode_b{b}_tokens_per_s")) for b in batches),
+            _ratio(figures, "llama.cpp", "shared_decode_b1_tokens_per_s")]
+
+
+def print_report(results: dict[str, Any], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(file=sys.stdout)
+    machine = results["machine"]
+    settings = results["settings"]
+    console.print(f"[bold]{Path(results['checkpoint']).name}[/bold] · {machine['cpu']} · "
+                  f"{machine['torch_threads']} threads of {machine['logical_cpus']} logical CPUs · "
+                  f"torch {machine['torch']} capability {machine['torch_cpu_capability']} · "
+                  f"extensions {' '.join(machine['extensions']) or 'none seen'} · "
+                  f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", highlight=False)
+    if "threads" in machine:
+        console.print(f"threads: {machine['threads']}", highlight=False)
+    batches = settings["batch_sizes"]
+    busy = settings.get("background_load", 0)
+    shared = [f"TTFT ms, {busy} busy", *(f"decode b{b} tok/s, {busy} busy" for b in batches),
+              f"b1 {busy} busy vs llama.cpp"] if busy else []
+    table = Table(title=f"prefill {settings['prefill_tokens']} tokens (b1) · decode {settings['new_tokens']} "
+                        f"tokens after {settings['prompt_tokens']} · median of {settings['repeats']} interleaved "
+                        f"round(s)", title_justify="left")
+    columns = ["engine", "prefill tok/s", "TTFT ms", *(f"decode b{b} tok/s" for b in batches), "peak RSS MiB",
+               "b1 vs transformers", "b1 vs llama.cpp", *shared]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "engine" else "right")
+    for name, figures in results["engines"].items():
+        if "unavailable" in figures:
+            table.add_row(_label(name, figures, results), *["n/a"] * (len(columns) - 2),
+                          f"[dim]{figures['unavailable'][:60]}[/dim]")
+            continue
+        ttft = figures.get("ttft_s")
+        peak = figures.get("peak_rss_bytes")
+        table.add_row(
+            _label(name, figures, results),
+            _rate(figures.get("prefill_tokens_per_s"), 0),
+            _rate(ttft * 1000 if ttft is not None else None, 0),
+            *(_rate(figures.get(f"decode_b{b}_tokens_per_s")) for b in batches),
+            _rate(peak / 2**20 if peak else None, 0),
+            *(_ratio(figures, o, "decode_b1_tokens_per_s") for o in ("transformers", "llama.cpp")),
+            *(_shared_cells(figures, batches) if busy else ()),
+        )
+    console.print(table)
+    for name, figures in results["engines"].items():
+        kernels = figures.get("kernels", {})
+        stored = ", ".join(f"{kind} {count / 1e6:,.1f}M" for kind, count in kernels.get("weights", {}).items()
+                           if count > 1)
+        if stored:
+            console.print(f"  {_label(name, figures, results)} weights: {stored}", highlight=False)
+        for why in kernels.get("why", {}).values():
+            console.print(f"    kernel {why}", highlight=False)
+    identical = results["greedy_identical_lmcli_float_vs_transformers"]
+    if identical is not None:
+        console.print(f"greedy tokens identical (lmcli {results['float_dtype']} vs transformers): "
+                      f"{'yes' if identical else 'no'}")
+    for name, figures in results["engines"].items():
+        ratios = {o: figures[f"vs_{o}"] for o in ("transformers", "llama.cpp") if f"vs_{o}" in figures}
+        if ratios:
+            parts = [f"{k.removesuffix('_tokens_per_s').replace('_', ' ')} {v:.2f}x vs {o}"
+                     for o, r in ratios.items() for k, v in r.items()]
+            console.print(f"  {_label(name, figures, results)}: {', '.join(parts)}", highlight=False)
+
+    scaling = results.get("scaling") or {}
+    if scaling:
+        table = Table(title=f"scaling · {_label(scaling['engine'], {}, results)} · decode tok/s over "
+                            f"{scaling['new_tokens']} new tokens", title_justify="left")
+        table.add_column("work")
+        table.add_column("decode tok/s", justify="right")
+        for context, rate in scaling["context"].items():
+            table.add_row(f"context {int(context):,} · batch 1", _rate(rate))
+        for batch, rate in scaling["batch"].items():
+            table.add_row(f"batch {batch} · context {scaling['batch_context']:,}", _rate(rate))
+        console.print(table)
+
+    quality = results.get("quality") or {}
+    if quality.get("formats"):
+        table = Table(title=f"quality against {_label(quality['reference'], {}, results)} · greedy "
+                            f"{quality['new_tokens']} tokens on {quality['prompts']} real prompts · KL over "
+                            f"{quality['kl_tokens']} tokens of fixed text", title_justify="left")
+        for column in ("format", "identical continuations", "tokens before divergence", "mean KL (nats)"):
+            table.add_column(column, justify="left" if column == "format" else "right")
+        for name, figures in quality["formats"].items():
+            table.add_row(_label(name, figures, results),
+                          f"{figures['identical']}/{figures['prompts']}" if "identical" in figures else "n/a",
+                          f"{figures['tokens_before_divergence']:.0%}" if "identical" in figures else "n/a",
+                          f"{figures['mean_kl']:.4f}" if "mean_kl" in figures else "n/a")
+        console.print(table)
+    elif quality.get("unavailable"):
+        console.print(f"quality: {quality['unavailable']}")
+

@@ -1,0 +1,102 @@
+"""Attention that gives each query the same numbers whatever batch or prefill chunk it is computed in.
+
+Batched attention over a left-padded batch reduces each query's scores over all the batch's key
+columns, masked ones included, and torch's CPU kernels split and order those reductions by the
+number of columns, queries and rows: measured here, a query's output changed with the padding in
+front of its row, with the keys after it (a prefill chunk sees fewer than the whole prompt) and with
+the number of queries in the call. So this path calls attention per row, on that row's own keys in
+slot order, never on another row's padding: once per query on exactly its keys (the call is then
+the same alone, in any batch and in any chunking, so its result is too), or, in bfloat16 without a
+window, once per row in a form measured to give each query the same numbers (`row_plans`).
+
+Cost: a call per row (or per row and query) where the batched path makes one per layer (see the
+README's "Batch-invariant numerics").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+KEY_BLOCK = 32  # keys of a row call are padded (masked) to a multiple of this; see `row_plans`
+
+
+@dataclass(frozen=True)
+class RowCall:
+    """One attention call for row `row`: its queries `queries` (indices t) on keys `keys` (indices into
+    the layer's keys, in slot order), with an additive mask (queries, padded keys), or None: all visible."""
+
+    row: int
+    queries: list[int]
+    keys: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token: torch.Tensor,
+              window: int | None, dtype: torch.dtype, one_call_per_row: bool) -> list[RowCall]:
+    """The calls that attend every real query of every row: key_slots [S] (-1: empty), query_slots [T],
+    slot_is_token [B, S_total]. Shared by the layers of one type (they have the same key slots).
+
+    `one_call_per_row` (bfloat16, no window): all of a row's queries in one call on its keys from its
+    first one, padded with masked keys to a multiple of KEY_BLOCK; measured on torch's CPU kernel, a
+    query's output is then the same whatever the number of queries or of padded keys in the call
+    (not so at other key counts, nor in float32). Otherwise one call per query, on exactly its keys."""
+    slots = key_slots.cpu()
+    queries = query_slots.cpu()
+    is_token = slot_is_token.cpu()
+    calls = []
+    for row in range(is_token.shape[0]):
+        valid = (slots >= 0) & is_token[row, slots.clamp(min=0)]  # (S,)
+        index = torch.nonzero(valid).flatten()
+        index = index[torch.argsort(slots[index], stable=True)]  # slot order (a ring keeps its own order)
+        ordered = slots[index]
+        real = [t for t in range(len(queries)) if is_token[row, queries[t]]]  # pad queries are never read
+        if not real:
+            continue
+        if one_call_per_row:
+            end = int(torch.searchsorted(ordered, queries[real].max(), right=True))
+            padded = -(-end // KEY_BLOCK) * KEY_BLOCK
+            key_slot = torch.full((padded,), torch.iinfo(torch.long).max)
+            key_slot[:end] = ordered[:end]
+            allowed = key_slot[None, :] <= queries[real][:, None]  # (Q, padded): causal; padding never
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            calls.append(RowCall(row, real, index[:end].to(key_slots.device), mask.to(key_slots.device)))
+            continue
+        for t in real:
+            q = int(queries[t])
+            end = int(torch.searchsorted(ordered, q, right=True))
+            start = int(torch.searchsorted(ordered, q - window, right=True)) if window is not None else 0
+            calls.append(RowCall(row, [t], index[start:end].to(key_slots.device), None))
+    return calls
+
+
+def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[RowCall], scale: float,
+                  softcap: float | None, rep: int) -> torch.Tensor:
+    """q (B, nkv, rep * T, hd) (the query heads sharing a kv head as rows), k and v (B, nkv, S, hd)
+    -> (B, nkv, rep * T, hd), each query attending to its planned keys only."""
+    B, nkv, rows, hd = q.shape
+    T = rows // rep
+    by_query = q.view(B, nkv, rep, T, hd)
+    out = torch.zeros_like(by_query)  # pad queries stay 0
+    for call in calls:
+        b, n = call.row, len(call.queries)
+        where = call.queries[0] if n == 1 else torch.tensor(call.queries, device=q.device)
+        query = by_query[b, :, :, where].reshape(1, nkv, rep * n, hd)
+        keys = k[b:b + 1].index_select(2, call.keys)  # (1, nkv, s, hd)
+        values = v[b:b + 1].index_select(2, call.keys)
+        mask = None
+        if call.mask is not None:
+            extra = call.mask.shape[1] - keys.shape[2]  # masked padding keys
+            keys = torch.cat([keys, keys.new_zeros(1, nkv, extra, hd)], dim=2)
+            values = torch.cat([values, values.new_zeros(1, nkv, extra, hd)], dim=2)
+            mask = call.mask.repeat(rep, 1)[None, None]  # (1, 1, rep * n, padded)
+        if softcap is None:
+            got = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        else:
+            scores = (query @ keys.transpose(-2, -1)) * scale  # (1, nkv, rep, s)
+            scores = torch.tanh(scores / softcap) * softcap
+            got = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
+        out[b, :, :, where] = got.view(nkv, rep, n, hd) if n > 1 else got.view(nkv, rep, hd)
+    return out.view(B, nkv, rows, hd)

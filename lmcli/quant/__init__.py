@@ -1,0 +1,1 @@
+"""Quantized weights in their stored form (no models, no kernels)."""
