@@ -27,6 +27,7 @@ import typer
 from lmcli.bench import BenchSettings
 from lmcli.command_group import LmcliGroup
 from lmcli.errors import TokenizerError, UsageError
+from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 
@@ -101,6 +102,7 @@ STOPPING_PANEL = "Stopping"
 PROMPT_PANEL = "Prompt"
 OUTPUT_PANEL = "Output"
 JOBS_PANEL = "Batch jobs"
+STRUCTURED_PANEL = "Structured output (at most one)"
 
 
 def _option(metavar: str, help: str, *names: str, panel: str | None = DECODING_PANEL, **more: Any) -> Any:
@@ -152,7 +154,8 @@ def _use_threads(threads: int | None) -> None:
 # declared once as the signature of `_decoding_options`; `_with_decoding_options` puts them into a command.
 def _decoding_options(
     max_new_tokens: Annotated[int | None, _option(
-        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}; "
+               f"{CONSTRAINED_MAX_NEW_TOKENS} with a constraint).",
         "--max-new-tokens", "--max-tokens", "-n")] = None,
     temperature: Annotated[float | None, _option(
         "T", f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.")] = None,
@@ -180,6 +183,15 @@ def _decoding_options(
         "INT", "Do not stop at the end-of-text token before this many tokens.", panel=STOPPING_PANEL)] = None,
     ignore_eos: Annotated[bool, _switch(
         "--ignore-eos", "Keep going past the tokenizer's end-of-text token.", STOPPING_PANEL)] = False,
+    json_schema: Annotated[str | None, _option(
+        "FILE|JSON", "The output is JSON that fits this JSON Schema (a file, or inline JSON).",
+        "--json-schema", panel=STRUCTURED_PANEL)] = None,
+    json_object: Annotated[bool, _switch("--json", "The output is a JSON object (any).", STRUCTURED_PANEL)] = False,
+    regex: Annotated[str | None, _option(
+        "PATTERN", "The output matches this regular expression, whole.", "--regex", panel=STRUCTURED_PANEL)] = None,
+    grammar: Annotated[Path | None, _option(
+        "FILE", "The output follows this Lark grammar (llguidance's dialect).", "--grammar",
+        panel=STRUCTURED_PANEL)] = None,
 ) -> None:
     """Never called: its parameters are the shared decoding flags, in the order --help lists them."""
 
@@ -221,12 +233,29 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
 
     flags = dict(decoding)
     logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
+    constraint = _constraint_from_flags(flags)  # pops its four flags
     return GenerationSettings.from_flags(
-        **flags,
+        **flags, constraint=constraint,
         logit_bias=parse_logit_bias(logit_bias),
         stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         **others,
     )
+
+
+def _constraint_from_flags(flags: DecodingFlags):
+    """The one constraint --json-schema/--json/--regex/--grammar give (popped from `flags`), or None;
+    a bad one is a usage error now, before any model loads."""
+    from lmcli.generation.constraints import FLAGS, one_constraint, read_source
+
+    given = {"json_schema": flags.pop("json_schema"), "json": flags.pop("json_object"),
+             "regex": flags.pop("regex"), "grammar": flags.pop("grammar")}
+    if given["grammar"] is not None:
+        given["grammar"] = str(given["grammar"])
+    def name(kind: str) -> str:  # a file's error names the file
+        return f"--grammar {given['grammar']}" if kind == "grammar" else FLAGS[kind]
+
+    return one_constraint({kind: read_source(kind, value) if isinstance(value, str) else value
+                           for kind, value in given.items()}, name)
 
 
 def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None = None):
