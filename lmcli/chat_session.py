@@ -32,7 +32,7 @@ DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (t
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
 ROLES = ("system", "user", "assistant")
 # Settings that belong to a one-shot prompt, not to a conversation's sampling.
-NOT_SETTABLE = ("chat", "system", "logprobs")
+NOT_SETTABLE = ("chat", "system", "logprobs", "constraint")  # a constraint: /set json_schema etc.
 
 
 class ChatError(LmcliError):
@@ -121,6 +121,14 @@ class ChatSession:
     def set_setting(self, name: str, value: str) -> GenerationSettings:
         """`/set NAME VALUE`: one sampling setting, parsed by its type and validated like a flag."""
         field_name = name.strip().lstrip("-").replace("-", "_")
+        if field_name in ("json_schema", "json", "regex", "grammar"):  # the one constraint, replaced
+            from lmcli.generation.constraints import ConstraintError, constraint_from_setting
+
+            try:
+                self.settings = dataclasses.replace(self.settings, constraint=constraint_from_setting(field_name, value))
+            except ConstraintError as e:
+                raise ChatError(str(e).replace("--", "/set ", 1)) from None
+            return self.settings
         if field_name == "greedy":
             field_name, value = "temperature", "0" if _parse_bool(value, name) else str(DEFAULT_TEMPERATURE)
         fields = {f.name: f for f in dataclasses.fields(GenerationSettings) if f.name not in NOT_SETTABLE}

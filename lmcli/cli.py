@@ -18,19 +18,17 @@ import functools
 import inspect
 import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from typer.core import TyperGroup
 
 from lmcli.bench import BenchSettings
-from lmcli.errors import LmcliError, TokenizerError, UsageError
+from lmcli.command_group import LmcliGroup
+from lmcli.errors import TokenizerError, UsageError
+from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
-
-_debug = False  # set by --debug (anywhere on the command line); shows tracebacks
 
 
 class Device(str, enum.Enum):
@@ -62,100 +60,9 @@ def _one_of(choices: type[enum.Enum]) -> str:
     return f"[{'|'.join(choice.value for choice in choices)}]"
 
 
-class _LmcliGroup(TyperGroup):
-    """Runs the commands with lmcli's error handling, for the console script and CliRunner alike."""
-
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None, complete_var: str | None = None,
-             standalone_mode: bool = True, windows_expand_args: bool = True, **extra: Any) -> Any:
-        global _debug
-        args = list(sys.argv[1:] if args is None else args)
-        # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
-        end = args.index("--") if "--" in args else len(args)
-        _debug = "--debug" in args[:end]
-        if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by models/kernel_plan.py
-            os.environ["LMCLI_FAST_KERNELS"] = "1"
-        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels")] + args[end:]
-        try:
-            code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
-                               windows_expand_args=windows_expand_args, **extra)
-            sys.stdout.flush()  # here, where a failure is reported, rather than at interpreter exit
-        except typer.Abort:
-            code = _fail("aborted", 1)
-        except LmcliError as e:
-            code = _fail(str(e), e.exit_code)
-        except _StdoutClosed:
-            code = _stdout_closed()
-        except OSError as e:  # a stream that cannot be written (a full disk, /dev/full); files name themselves
-            _discard_stdout()
-            where = e.filename if e.filename is not None else "the output"
-            code = _fail(f"cannot write {where}: {e.strerror or e}", 1)
-        except Exception as e:
-            code = _click_exception_code(e)
-            if code is None:  # a bug in lmcli: say so in one line; --debug shows where
-                code = _fail(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback)", 1)
-        code = code if isinstance(code, int) else 0
-        if standalone_mode:
-            sys.exit(code)
-        return code
-
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except BrokenPipeError:  # raised past click's own EPIPE handling, which would exit 1
-            raise _StdoutClosed() from None
-
-
-class _StdoutClosed(Exception):
-    """stdout's reader went away (EPIPE)."""
-
-
-def _click_exception_code(e: Exception) -> int | None:
-    """The exit code for one of click's exceptions (a usage error, ...), after saying what it is; None
-    for anything else. Recognised by click's exception interface (`exit_code`, `format_message`), since
-    Typer raises them from its private copy of click and older Typers from click itself."""
-    exit_code, format_message = getattr(e, "exit_code", None), getattr(e, "format_message", None)
-    if not isinstance(exit_code, int) or format_message is None:
-        return None
-    if type(e).__name__ == "NoArgsIsHelpError":  # `lmcli` alone: the help, which is no error
-        typer.echo(format_message())
-        return 0
-    message = " ".join(format_message().split())
-    context = getattr(e, "ctx", None)  # usage errors know the command they are about
-    if context is not None:
-        message += f" (see '{context.command_path} --help')"
-    return _fail(message, exit_code)
-
-
-def _stdout_closed() -> int:
-    """The reader of stdout went away (`lmcli ... | head`): stop quietly with exit 0, as `| head` expects.
-
-    Single prompts and batch jobs alike; a job writing to --output is unaffected (stdout carries nothing).
-    """
-    _discard_stdout()
-    return 0
-
-
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's last flush has nowhere to fail."""
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # not a real file (CliRunner): nothing to flush at exit
-        pass
-
-
-def _fail(message: str, code: int) -> int:
-    if _debug and sys.exc_info()[0] is not None:
-        traceback.print_exc()
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
-    sys.stderr.flush()
-    return code
-
-
 app = typer.Typer(
     name="lmcli",
-    cls=_LmcliGroup,
+    cls=LmcliGroup,
     help="Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma).",
     epilog="Run 'lmcli COMMAND --help' for a command's options.",
     no_args_is_help=True,
@@ -195,6 +102,7 @@ STOPPING_PANEL = "Stopping"
 PROMPT_PANEL = "Prompt"
 OUTPUT_PANEL = "Output"
 JOBS_PANEL = "Batch jobs"
+STRUCTURED_PANEL = "Structured output (at most one)"
 
 
 def _option(metavar: str, help: str, *names: str, panel: str | None = DECODING_PANEL, **more: Any) -> Any:
@@ -246,7 +154,8 @@ def _use_threads(threads: int | None) -> None:
 # declared once as the signature of `_decoding_options`; `_with_decoding_options` puts them into a command.
 def _decoding_options(
     max_new_tokens: Annotated[int | None, _option(
-        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}).",
+        "INT", f"Most tokens to generate (default: the model's, else {DEFAULT_MAX_NEW_TOKENS}; "
+               f"{CONSTRAINED_MAX_NEW_TOKENS} with a constraint).",
         "--max-new-tokens", "--max-tokens", "-n")] = None,
     temperature: Annotated[float | None, _option(
         "T", f"Sampling temperature (default: the model's, else {DEFAULT_TEMPERATURE}); 0 means --greedy.")] = None,
@@ -274,6 +183,15 @@ def _decoding_options(
         "INT", "Do not stop at the end-of-text token before this many tokens.", panel=STOPPING_PANEL)] = None,
     ignore_eos: Annotated[bool, _switch(
         "--ignore-eos", "Keep going past the tokenizer's end-of-text token.", STOPPING_PANEL)] = False,
+    json_schema: Annotated[str | None, _option(
+        "FILE|JSON", "The output is JSON that fits this JSON Schema (a file, or inline JSON).",
+        "--json-schema", panel=STRUCTURED_PANEL)] = None,
+    json_object: Annotated[bool, _switch("--json", "The output is a JSON object (any).", STRUCTURED_PANEL)] = False,
+    regex: Annotated[str | None, _option(
+        "PATTERN", "The output matches this regular expression, whole.", "--regex", panel=STRUCTURED_PANEL)] = None,
+    grammar: Annotated[Path | None, _option(
+        "FILE", "The output follows this Lark grammar (llguidance's dialect).", "--grammar",
+        panel=STRUCTURED_PANEL)] = None,
 ) -> None:
     """Never called: its parameters are the shared decoding flags, in the order --help lists them."""
 
@@ -315,12 +233,29 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
 
     flags = dict(decoding)
     logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
+    constraint = _constraint_from_flags(flags)  # pops its four flags
     return GenerationSettings.from_flags(
-        **flags,
+        **flags, constraint=constraint,
         logit_bias=parse_logit_bias(logit_bias),
         stop=[unescape_line(text) for text in stop or ()],  # '\n' is a newline, as in text input files
         **others,
     )
+
+
+def _constraint_from_flags(flags: DecodingFlags):
+    """The one constraint --json-schema/--json/--regex/--grammar give (popped from `flags`), or None;
+    a bad one is a usage error now, before any model loads."""
+    from lmcli.generation.constraints import FLAGS, one_constraint, read_source
+
+    given = {"json_schema": flags.pop("json_schema"), "json": flags.pop("json_object"),
+             "regex": flags.pop("regex"), "grammar": flags.pop("grammar")}
+    if given["grammar"] is not None:
+        given["grammar"] = str(given["grammar"])
+    def name(kind: str) -> str:  # a file's error names the file
+        return f"--grammar {given['grammar']}" if kind == "grammar" else FLAGS[kind]
+
+    return one_constraint({kind: read_source(kind, value) if isinstance(value, str) else value
+                           for kind, value in given.items()}, name)
 
 
 def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None = None):
@@ -391,6 +326,11 @@ def generate(
         "--stats", "Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).",
         OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
+    prompt_lookup: Annotated[bool, _switch(
+        "--prompt-lookup", "Greedy only: guess tokens from earlier text and verify them in one pass (same output, "
+        "faster on text that repeats its input).", OUTPUT_PANEL)] = False,
+    num_draft_tokens: Annotated[int | None, _option(
+        "K", "With --prompt-lookup, guess at most K tokens a pass (default 8).", panel=OUTPUT_PANEL)] = None,
     input_path: Annotated[Path | None, _option(
         "FILE", "Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
         "--input", panel=JOBS_PANEL, exists=True, dir_okay=False)] = None,
@@ -421,6 +361,9 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
+    from lmcli import runs
+
+    lookup = runs.prompt_lookup_draft(prompt_lookup, num_draft_tokens, input_path)
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     resolved = _resolve(checkpoint, model, tokenizer)
     # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
@@ -436,8 +379,6 @@ def generate(
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
 
-    from lmcli import runs
-
     with _process_group(tp, input_path, device):
         if input_path is not None:
             with _exit_when_stopped():
@@ -446,7 +387,7 @@ def generate(
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():
-            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
+            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs, lookup)
 
 
 @contextlib.contextmanager

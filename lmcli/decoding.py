@@ -67,6 +67,7 @@ def check_number(setting: str, value: Any, ok: Callable[[float], bool], requirem
 
 # Kinds of value.
 INTEGER, NUMBER, SWITCH, TEXT, TEXTS, BIAS = "integer", "number", "switch", "text", "texts", "bias"
+CONSTRAINT = "constraint"  # lmcli.generation.constraints.Constraint, parsed (and checked) where it is given
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ class Setting:
         if self.kind == TEXT:
             if not isinstance(value, str):
                 raise SamplingError(self.name, "must be a string", value)
+            return value
+        if self.kind == CONSTRAINT:
+            if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(part, str) for part in value)):
+                raise SamplingError(self.name, "must be a Constraint (lmcli.generation.constraints)", value)
             return value
         if self.kind == TEXTS:
             if not isinstance(value, (tuple, list)) or not all(isinstance(s, str) for s in value):
@@ -240,6 +245,9 @@ SETTINGS = _table(
     Setting("system", TEXT, flag="--system", row=True),
     Setting("logprobs", INTEGER, low=0, said=">= 0", flag="--logprobs"),
     Setting("truncate", SWITCH, optional=False, flag="--no-truncate"),
+    # Structured output: one of --json-schema/--json/--regex/--grammar, or a job row's key of the same
+    # name (json_schema, json, regex, grammar), or an OpenAI body's response_format (openai_batch.py).
+    Setting("constraint", CONSTRAINT, flag="--json-schema/--json/--regex/--grammar"),
 )
 SAMPLING_ONLY = tuple(name for name, setting in SETTINGS.items() if setting.sampling_only)
 ROW_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.row)

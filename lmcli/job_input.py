@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError, UsageError
-from lmcli.settings import ROW_SETTINGS, GenerationSettings, RowError, input_hash
+from lmcli.settings import JOB_ROW_SETTINGS, GenerationSettings, RowError, input_hash
 
-ROW_FIELDS = ("prompt", "id", *ROW_SETTINGS)
+ROW_FIELDS = ("prompt", "id", *JOB_ROW_SETTINGS)
 
 
 @dataclass

@@ -346,6 +346,7 @@ def settings_record(settings: GenerationSettings) -> dict:
     values = dataclasses.asdict(settings)
     values.pop("seed")
     values["stop"] = list(settings.stop)
+    values["constraint"] = settings.constraint.describe() if settings.constraint is not None else None
     return {name: value for name, value in values.items() if value is not None}
 
 

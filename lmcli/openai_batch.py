@@ -71,7 +71,7 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
         raise RowError('"body" must be a JSON object')
 
     own = CHAT_FIELDS if url == CHAT else COMPLETION_FIELDS
-    known = (*SETTINGS_FIELDS, *IGNORED_FIELDS, *NEUTRAL_VALUES, *own)
+    known = (*SETTINGS_FIELDS, *IGNORED_FIELDS, *NEUTRAL_VALUES, *own, "response_format")
     for key in body:
         if key not in known:
             raise RowError(f'body field "{key}" is not supported by lmcli for {url}')
@@ -81,6 +81,7 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RowError('give "max_tokens" or "max_completion_tokens", not both')
     overrides = {SETTINGS_FIELDS[key]: value for key, value in body.items() if key in SETTINGS_FIELDS}
+    overrides.update(_response_format(body.get("response_format")))
 
     if url == CHAT:
         prompt: str | list[dict] = _messages(body.get("messages"))
@@ -99,12 +100,32 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
     return url, prompt, overrides, logprobs
 
 
+def _response_format(value: Any) -> dict:
+    """The lmcli row fields a body's "response_format" stands for: {"json": true} for json_object, the
+    schema for json_schema (enforced whether or not "strict" is set), nothing for text."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if value is None or kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json": True}
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise RowError('body field "response_format": "json_schema" must be {"name", "schema": {...}, "strict"}')
+        if not isinstance(spec.get("strict", True), bool):
+            raise RowError('body field "response_format": "strict" must be true or false')
+        return {"json_schema": spec["schema"]}
+    raise RowError('body field "response_format" must have "type": "text", "json_object" or "json_schema"')
+
+
 def in_body_terms(message: str, obj: Any) -> str:
     """A settings error names lmcli's row field ("max_new_tokens"); say the body field the user wrote."""
     body = obj.get("body") if isinstance(obj, dict) else None
     for body_key, row_key in SETTINGS_FIELDS.items():
         if isinstance(body, dict) and body_key in body:
             message = message.replace(f'"{row_key}"', f'body field "{body_key}"')
+    if isinstance(body, dict) and "response_format" in body:
+        message = message.replace('"json_schema"', 'body field "response_format"').replace('"json"', 'body field "response_format"')
     return message
 
 

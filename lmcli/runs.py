@@ -50,7 +50,10 @@ def utf8_text(raw: bytes, what: str) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_probs: bool = False) -> None:
+def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_probs: bool = False,
+                 prompt_lookup: int | None = None) -> None:
+    """`prompt_lookup`: decode by prompt lookup guessing up to that many tokens a pass (None: plainly)."""
+    import functools
     """One prompt: its completion streamed (text), or one JSON line (`jsonl`); then the summary."""
     from lmcli.console import (
         PlainOutput,
@@ -93,8 +96,16 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
             else:
                 output.write(piece)
 
+    run, speculation = None, None
+    if prompt_lookup is not None:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise UsageError("--prompt-lookup works with decoder-only models; this one is an encoder-decoder")
+        from lmcli.generation.speculative import SpeculationStats
+
+        speculation = SpeculationStats()
+        run = functools.partial(model.generate, prompt_lookup=prompt_lookup, stats=speculation)
     try:
-        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
+        [result] = generate_batch(model, tokenizer, [row], on_text=on_text, run=run)
     except KeyboardInterrupt:
         if output is not None:
             output.end()
@@ -110,6 +121,9 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         output.end()
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
+        if speculation is not None:
+            print_dim(f"prompt lookup: {speculation.drafted} drafted, {speculation.accepted} accepted "
+                      f"({speculation.acceptance:.0%}), {speculation.passes} model passes")
 
 
 def run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:
@@ -144,3 +158,19 @@ def run_job(input_path, output_path, settings, load, batch_size, resume, overwri
             raise Stopped(1)  # rank 0 says why
         raise LmcliError(f"{report.failed} of {rows_text(report.rows)} failed; see the \"error\" field of "
                          + ("that row" if report.failed == 1 else "those rows"))
+
+
+def prompt_lookup_draft(enabled: bool, num_draft_tokens: int | None, input_path: Any) -> int | None:
+    """--prompt-lookup's K (None: off), checked by the speculative module's own rule."""
+    if not enabled:
+        if num_draft_tokens is not None:
+            raise UsageError("--num-draft-tokens needs --prompt-lookup")
+        return None
+    if input_path is not None:
+        raise UsageError("--prompt-lookup is not supported with --input yet")
+    from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, check_num_draft_tokens
+
+    try:
+        return check_num_draft_tokens(DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens)
+    except ValueError as exc:
+        raise UsageError("--" + str(exc).replace("_", "-")) from None

@@ -42,10 +42,13 @@ from lmcli.decoding import (
 )
 from lmcli.decoding import ROW_SETTINGS as ROW_SETTINGS
 from lmcli.errors import LmcliError, UsageError
+from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS, KINDS, Constraint, one_constraint
 from lmcli.model_defaults import MODEL_SETTINGS, ModelDefaults, checked_model_defaults
 from lmcli.model_defaults import read_model_defaults as read_model_defaults
 
 DEFAULT_TEMPERATURE = 0.8
+# A job row's settings: the table's, and the structured-output keys, which make the one `constraint`.
+JOB_ROW_SETTINGS = (*ROW_SETTINGS, *KINDS)
 TRUNCATION = ("top_k", "top_p")  # one unit: a layer that sets either replaces both
 
 DEFAULT, FLAG, ROW = "lmcli default", "flag", "row"
@@ -81,6 +84,7 @@ class GenerationSettings(DecodingFields):
     system: str | None = None
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
     truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
+    constraint: Constraint | None = None  # the structured output the row must have (generation/constraints.py)
     # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
@@ -123,6 +127,8 @@ class GenerationSettings(DecodingFields):
             raise UsageError(f"--greedy and --temperature {temperature:g} contradict each other; pick one")
         if greedy:
             temperature = 0.0
+        if values.get("constraint") is not None and values.get("ignore_eos"):
+            raise UsageError("--ignore-eos cannot be combined with a constraint: its end is the end of the text")
         given = {name: value for name, value in values.items() if value is not None}
         for name in ("stop", "logit_bias"):
             if name in given:
@@ -150,6 +156,8 @@ class GenerationSettings(DecodingFields):
         def own() -> dict[str, Any]:
             values = {name: SETTINGS[name].from_json(row[name]) for name in ROW_SETTINGS if name in row}
             check_truncation(values.get("top_k"), values.get("top_p"))
+            if any(kind in row for kind in KINDS):  # ConstraintError: one line naming the row's key
+                values["constraint"] = one_constraint(row, _row_name)
             # The row on its own, as a layer (as a model's defaults are checked): its values are its own
             # business whether or not a flag overrides them.
             GenerationSettings(**values, chat=self.chat)
@@ -199,6 +207,8 @@ class GenerationSettings(DecodingFields):
             elif name in defaults.values:
                 changes[name] = defaults.values[name]
                 sources[name] = defaults.source
+            elif name == "max_new_tokens" and self.constraint is not None:
+                changes[name] = CONSTRAINED_MAX_NEW_TOKENS  # a whole object ends the text itself, at EOS
             else:
                 changes[name] = _LMCLI_DEFAULTS.get(name)
         temperature = changes.get("temperature", self.temperature)
@@ -266,6 +276,8 @@ class GenerationSettings(DecodingFields):
         out = {name: value for name, value in self._decoding().items() if value is not None}
         if self.logit_bias:
             out["logit_bias"] = dict(self.logit_bias)
+        if self.constraint is not None:
+            out.update(self.constraint.describe())
         return out
 
     def described(self) -> list[tuple[str, str, str]]:

@@ -93,6 +93,7 @@ class RowResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
     finish_reason: str | None = None  # "eos", "length" or "stop"
+    error: str | None = None  # the constraint's engine failed on this row (its text is then not valid)
     started: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -114,6 +115,8 @@ class RowResult:
         }
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.error is not None:
+            out["error"] = self.error
         out["input_hash"] = self.row.input_hash
         return out
 
@@ -178,6 +181,13 @@ def generate_batch(
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
     )
     top_logprobs = settings.logprobs
+    mask = None
+    if any(r.settings.constraint is not None for r in rows):
+        from lmcli.generation.constraints import ConstraintMask
+
+        # First in the chain: truncation (top-k/top-p) must choose among allowed tokens only.
+        mask = ConstraintMask(tokenizer, [r.settings.constraint for r in rows], model.config.vocab_size)
+        processors = [mask, *processors]
 
     started = time.perf_counter()
     results = [
@@ -187,6 +197,10 @@ def generate_batch(
     ]
 
     def finish(result: RowResult, reason: str) -> None:
+        if mask is not None:
+            row = results.index(result)
+            result.error = mask.row_error(row)  # the engine gave up on the row (e.g. one of its limits)
+            mask.release(row)
         piece = result.text.finish()
         if piece and on_text:
             on_text(result, piece)

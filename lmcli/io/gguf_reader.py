@@ -138,7 +138,35 @@ class _Cursor:
             items = np.frombuffer(self.buf, dtype=_NUMPY_TYPES[item_type], count=count, offset=self.pos)
             self.pos += items.nbytes
             return [bool(x) for x in items] if item_type == _BOOL else items.tolist()
+        if item_type == _STRING:  # vocabularies: 50k-260k strings, read in one tight loop
+            read = _string_items(self.buf, self.pos, count)
+            if read is not None:
+                strings, self.pos = read
+                return strings
+            # One string runs past the end: the checked reader below says which, and where.
         return [self.value(item_type, what, depth + 1) for _ in range(count)]
+
+
+_LENGTH = struct.Struct("<Q")
+
+
+def _string_items(buf: mmap.mmap, pos: int, count: int) -> tuple[list[str], int] | None:
+    """`count` GGUF strings from `pos` (each a uint64 length, then its bytes) and the position after
+    them, decoded exactly as `_Cursor.string` decodes them; None if one runs past the end of `buf`.
+    The caller has checked that `count` length fields fit in the file, so the list is bounded too."""
+    size, unpack = len(buf), _LENGTH.unpack_from
+    strings: list[str] = []
+    append = strings.append
+    for _ in range(count):
+        start = pos + 8
+        if start > size:
+            return None
+        end = start + unpack(buf, pos)[0]
+        if end > size:
+            return None
+        append(buf[start:end].decode("utf-8", errors="replace"))
+        pos = end
+    return strings, pos
 
 
 def _shortest_float32(value: float) -> float:
@@ -192,14 +220,21 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _only_types(values: list[Any], kind: type) -> bool:
+    """Every item is exactly a `kind` (not a subclass such as bool), checked without a Python loop:
+    vocabulary lists hold 50k-260k items."""
+    return set(map(type, values)) <= {kind}
+
+
 _KIND_CHECKS = {
     _COUNT: lambda v: _is_count(v) or (isinstance(v, list) and bool(v) and all(map(_is_count, v))),
     _NUMBER: _is_number,
     _TEXT: lambda v: isinstance(v, str),
     _FLAG: lambda v: isinstance(v, bool),
-    _TEXT_LIST: lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    _NUMBER_LIST: lambda v: isinstance(v, list) and all(map(_is_number, v)),
-    _COUNT_LIST: lambda v: isinstance(v, list) and all(map(_is_count, v)),
+    _TEXT_LIST: lambda v: isinstance(v, list) and (_only_types(v, str) or all(isinstance(x, str) for x in v)),
+    _NUMBER_LIST: lambda v: isinstance(v, list) and (_only_types(v, float) or all(map(_is_number, v))),
+    _COUNT_LIST: lambda v: isinstance(v, list) and ((_only_types(v, int) and min(v, default=0) >= 0)
+                                                   or all(map(_is_count, v))),
 }
 _KIND_NAMES = {_COUNT: "a non-negative integer (or one per layer)", _NUMBER: "a number", _TEXT: "a string",
                _FLAG: "a boolean", _TEXT_LIST: "an array of strings", _NUMBER_LIST: "an array of numbers",

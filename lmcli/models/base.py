@@ -254,8 +254,15 @@ class BaseModel(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode.
 
-        A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s.
+        A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s;
+        `prompt_lookup=K` decodes the same greedy tokens by prompt lookup, guessing up to K tokens a pass
+        (`lmcli.generation.speculative.generate`, which also takes `stats=`).
         """
+        draft = kwargs.pop("prompt_lookup", None)
+        if draft is not None:
+            from lmcli.generation import speculative
+
+            return speculative.generate(self, *args, num_draft_tokens=draft, **kwargs)
         return loop.generate(self, *args, **kwargs)
 
     @property

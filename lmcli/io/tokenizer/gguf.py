@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
+from itertools import repeat
 from typing import Any, cast
 
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -44,7 +46,7 @@ def tokenizer_from_gguf(metadata: dict) -> Tokenizer:
     """The tokenizer a GGUF file's metadata describes, built as transformers builds it (gguf_file=).
     Errors name the metadata key; the caller adds the file."""
     kind = metadata.get("tokenizer.ggml.model")
-    tokens = [_text(token) for token in metadata.get("tokenizer.ggml.tokens") or []]
+    tokens = _texts(metadata.get("tokenizer.ggml.tokens") or [])
     if not tokens:
         raise TokenizerError("GGUF file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     try:
@@ -107,6 +109,12 @@ def _text(value: Any) -> str:
     return value.decode("utf-8") if isinstance(value, (bytes, bytearray)) else str(value)
 
 
+def _texts(values: list[Any]) -> list[str]:
+    """`_text` of each value; a list of str (what the GGUF reader gives) is taken as it is, without a
+    Python loop over 50k-260k items."""
+    return list(values) if set(map(type, values)) <= {str} else [_text(value) for value in values]
+
+
 @lru_cache(maxsize=1)
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's printable stand-in character for each byte value."""
@@ -121,17 +129,23 @@ def _byte_alphabet() -> dict[int, str]:
     return stand_ins
 
 
+@lru_cache(maxsize=1)
+def _outside_byte_alphabet() -> re.Pattern[str]:
+    """A character that is not one of GPT-2's stand-ins: a token holding one is spelled in plain text."""
+    return re.compile(f"[^{re.escape(''.join(_byte_alphabet().values()))}]")
+
+
 def _byte_level_backend(tokens: list[str], metadata: dict) -> Backend:
     stand_ins = _byte_alphabet()
-    alphabet = set(stand_ins.values())
+    outside_alphabet = _outside_byte_alphabet().search
     # Tokens already written in the byte alphabet stay; others (added tokens in plain text) are respelled.
     vocab = {}
     for index, token in enumerate(tokens):
-        spelled = token if set(token) <= alphabet else "".join(stand_ins[b] for b in token.encode("utf-8"))
+        spelled = "".join(stand_ins[b] for b in token.encode("utf-8")) if outside_alphabet(token) else token
         vocab[spelled] = index
     raw_merges = metadata.get("tokenizer.ggml.merges")
     if raw_merges is not None:
-        merges = [_merge(merge, number) for number, merge in enumerate(raw_merges)]
+        merges = _merges(raw_merges)
     else:
         merges = implied_merges(vocab)
     backend = _bpe_backend(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
@@ -146,6 +160,15 @@ def _byte_level_backend(tokens: list[str], metadata: dict) -> Backend:
         ])
     backend.decoder = decoders.ByteLevel()
     return backend
+
+
+def _merges(raw_merges: list[Any]) -> list[tuple[str, str]]:
+    """Each merge as its two tokens. Split and checked without a Python loop per merge (50k-260k of
+    them); where one is malformed, `_merge` says which."""
+    pairs = list(map(tuple, map(str.split, _texts(raw_merges), repeat(" "))))
+    if set(map(len, pairs)) <= {2} and all(map(all, pairs)):
+        return cast(list[tuple[str, str]], pairs)
+    return [_merge(merge, number) for number, merge in enumerate(raw_merges)]
 
 
 def _merge(merge: Any, number: int) -> tuple[str, str]:

@@ -1,0 +1,376 @@
+"""Structured output: a JSON Schema, any JSON object, a regular expression or a Lark grammar that each
+row's completion must follow, enforced by masking the tokens the constraint cannot continue with.
+
+The engine is llguidance (Rust, CPU, no torch): it compiles a schema in milliseconds and computes a
+token mask from a token trie in tens of microseconds on a 49k vocabulary, where matching characters
+against every candidate token (GBNF-style) costs milliseconds per token. xgrammar needs torch
+builds with triton; outlines-core compiles a whole DFA up front (seconds for a schema).
+
+    from lmcli.generation.constraints import Constraint, ConstraintMask
+    mask = ConstraintMask(tokenizer, [Constraint.parse("json_schema", schema)], model.config.vocab_size)
+    model.generate(ids, max_new_tokens=200, do_sample=False, eos_token_id=tokenizer.eos_token_ids,
+                   logits_processors=[mask])
+
+`ConstraintMask` takes one constraint (or None) per row, so rows with different constraints, and rows
+with none, share one batch; each row's mask depends only on its own tokens, so a row gets what it gets
+alone. The end-of-text token is allowed only where the row's grammar accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from lmcli.errors import LmcliError
+
+if TYPE_CHECKING:
+    import llguidance
+    import torch
+
+    from lmcli.io.tokenizer import Tokenizer
+
+# A constraint's kinds, as a job row names them (and as `--json-schema` etc. spell them with dashes).
+KINDS = ("json_schema", "json", "regex", "grammar")
+FLAGS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "grammar": "--grammar"}
+MAX_SOURCE_BYTES = 1 << 20
+# The token limit for a constrained row that sets none: room for typical objects (a few hundred tokens).
+# A complete object ends its row at end-of-text, so the larger limit costs nothing when it is not used.
+CONSTRAINED_MAX_NEW_TOKENS = 512  # a schema or grammar file larger than this is refused, not read
+
+# JSON output without free whitespace: the engine would otherwise let a small model pad an object with
+# newlines until the token limit. A schema's own "x-guidance" options still override these.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keywords that only annotate, which a JSON Schema validator ignores too.
+_ANNOTATIONS = {"$schema", "$id", "$anchor", "$comment", "title", "description", "default", "examples",
+                "deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType", "x-guidance"}
+# Every validation keyword of JSON Schema 2020-12 (and draft 4-7's spellings); the engine itself refuses,
+# by name, those it does not implement. A key outside both sets is refused here, so a typo such as
+# "requird" is never silently ignored.
+_SCHEMA_VALUED = {"items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+                  "propertyNames", "unevaluatedProperties", "unevaluatedItems"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+_SCHEMA_LISTS = {"allOf", "anyOf", "oneOf", "prefixItems"}
+_VALUE_KEYWORDS = {"type", "enum", "const", "required", "minimum", "maximum", "exclusiveMinimum",
+                   "exclusiveMaximum", "multipleOf", "minLength", "maxLength", "pattern", "format", "minItems",
+                   "maxItems", "minProperties", "maxProperties", "uniqueItems", "dependentRequired",
+                   "dependencies", "minContains", "maxContains", "$ref", "$dynamicRef", "$dynamicAnchor",
+                   "$vocabulary", "contentSchema"}
+_KNOWN_KEYWORDS = _ANNOTATIONS | _SCHEMA_VALUED | _SCHEMA_MAPS | _SCHEMA_LISTS | _VALUE_KEYWORDS
+
+
+class ConstraintError(LmcliError):
+    """A constraint that cannot be used: invalid, unsupported, or impossible for this vocabulary.
+    From a flag it is a usage error (exit 2); in a job it becomes the row's error."""
+
+    exit_code = 2
+
+
+class Constraint(NamedTuple):
+    """One row's constraint: its kind, its source as given (schema JSON, pattern, grammar text) and the
+    engine's grammar compiled from it (checked, with no tokenizer yet). A plain tuple, so settings that
+    hold one still hash and serialise (input_hash)."""
+
+    kind: str
+    source: str
+    grammar: str
+
+    @classmethod
+    def parse(cls, kind: str, value: Any, name: str | None = None) -> Constraint:
+        """A constraint from a flag's or a row's value: for json_schema a dict or JSON text, for json a
+        true value, for regex and grammar the text. `name` is how errors call it (default: the flag)."""
+        import llguidance
+
+        name = name or FLAGS.get(kind, kind)
+        if kind == "json_schema":
+            schema = _schema_value(value, name)
+            _check_keywords(schema, name)
+            source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        elif kind == "json":
+            if value is not True:
+                raise ConstraintError(f"{name} must be true (any JSON object), got {value!r}")
+            source = '{"type": "object"}'
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+        elif kind in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise ConstraintError(f"{name} must be a non-empty string")
+            source = value
+            if kind == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(value)
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_lark(value)
+        else:
+            raise ConstraintError(f"unknown constraint {kind!r} (expected one of {', '.join(KINDS)})")
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise ConstraintError(f"{name}: {_one_line(messages[0])}")
+        return cls(kind, source, grammar)
+
+    def describe(self) -> dict[str, Any]:
+        """How a JSONL row records it: {"json_schema": {...}}, {"json": true}, {"regex": "..."}."""
+        if self.kind == "json_schema":
+            return {self.kind: json.loads(self.source)}
+        return {self.kind: True if self.kind == "json" else self.source}
+
+
+def one_constraint(values: dict[str, Any], name_of: Any = FLAGS.get) -> Constraint | None:
+    """The constraint among `values` (kind -> value, None or False meaning not given): at most one."""
+    given = [kind for kind in KINDS if values.get(kind) not in (None, False)]
+    if len(given) > 1:
+        raise ConstraintError(f"{' and '.join(name_of(kind) for kind in given)} cannot be combined: "
+                              "give at most one constraint")
+    return Constraint.parse(given[0], values[given[0]], name_of(given[0])) if given else None
+
+
+def constraint_from_setting(kind: str, value: str) -> Constraint | None:
+    """A chat's `/set KIND VALUE`: VALUE as the flag takes it (`on` for json); `off` clears it."""
+    value = value.strip()
+    if value.lower() in ("off", "none", ""):
+        return None
+    if kind == "json":
+        return one_constraint({"json": value.lower() in ("on", "true", "yes", "1") or value})
+    return one_constraint({kind: read_source(kind, value)})
+
+
+def read_source(kind: str, value: str) -> Any:
+    """A flag's value as Constraint.parse takes it: --json-schema is inline JSON (starting with "{") or a
+    file, --grammar a file; --regex is the pattern itself."""
+    name = FLAGS[kind]
+    if kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{")):
+        return value
+    path = Path(value)
+    try:
+        if path.stat().st_size > MAX_SOURCE_BYTES:
+            raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConstraintError(f"{name} {value}: {reason}") from None
+    return text
+
+
+def _schema_value(value: Any, name: str) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConstraintError(f"{name}: not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ConstraintError(f"{name}: a JSON Schema must be an object, got {type(value).__name__}")
+    return value
+
+
+def _check_keywords(schema: Any, name: str, where: str = "") -> None:
+    """Refuse a key that is not a JSON Schema keyword, naming it and where it is."""
+    if not isinstance(schema, dict):
+        return  # true/false schemas, or a malformed value the engine reports
+    for key, value in schema.items():
+        if key not in _KNOWN_KEYWORDS and not key.startswith("x-"):
+            raise ConstraintError(f"{name}: unsupported schema keyword {key!r} at {where or '/'}")
+        if key in _SCHEMA_VALUED:
+            for i, item in enumerate(value if isinstance(value, list) else [value]):
+                _check_keywords(item, name, f"{where}/{key}" + (f"/{i}" if isinstance(value, list) else ""))
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            for sub, item in value.items():
+                _check_keywords(item, name, f"{where}/{key}/{sub}")
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_keywords(item, name, f"{where}/{key}/{i}")
+
+
+def _one_line(message: str) -> str:
+    if message.startswith("Unimplemented keys: "):  # the engine's list of schema keywords it lacks
+        return f"unsupported schema keyword(s) {message.removeprefix('Unimplemented keys: ')}"
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
+    # The engine's regex errors span lines ("regex parse error:", the pattern, a caret, "error: ...").
+    detail = next((line for line in lines if line.startswith("error:")), None)
+    head = lines[0] if lines else "invalid"
+    head = re.sub(r"^at \d+\(\d+\): | \(in regex\): regex parse error:$", "", head)
+    detail = detail.removeprefix("error: ") if detail else None
+    return f"{head}: {detail}" if detail and detail != head else head
+
+
+# ----------------------------------------------------------------------------- the engine's tokenizer
+
+
+_TOKENIZERS: dict[tuple[int, int], tuple[Tokenizer, llguidance.LLTokenizer]] = {}
+
+
+def engine_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's view of lmcli's tokenizer, built once per tokenizer and model vocabulary size.
+
+    Built from each token's raw bytes (TokenizerWrapper) when the decoder is one lmcli's tokenizers use
+    (byte-level BPE; SentencePiece spaces with byte fallback, as GGUF vocabularies are built): that takes
+    3 s on Gemma 3's 262k vocabulary where the tokenizer.json route takes 11 s. Any other decoder goes
+    through tokenizer.json, which llguidance reads itself."""
+    import llguidance
+
+    key = (id(tokenizer), vocab_size)
+    if key in _TOKENIZERS and _TOKENIZERS[key][0] is tokenizer:
+        return _TOKENIZERS[key][1]
+    eos = tokenizer.eos_token_ids or None
+    pieces = token_bytes(tokenizer, vocab_size)
+    if pieces is not None:
+        built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, pieces)),
+                                       n_vocab=vocab_size, eos_token=eos)
+    else:
+        built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+    _TOKENIZERS[key] = (tokenizer, built)
+    return built
+
+
+def token_bytes(tokenizer: Tokenizer, vocab_size: int) -> list[bytes] | None:
+    """Each id's bytes as it adds them to the text (special tokens marked with a 0xFF lead byte, as
+    llguidance expects), or None for a decoder this does not know."""
+    from lmcli.io.tokenizer.gguf import _byte_alphabet  # byte-level BPE's byte <-> character table
+
+    decoder = repr(tokenizer.backend.decoder)
+    byte_level = decoder.startswith("ByteLevel")
+    if not byte_level and not ("Replace" in decoder and "ByteFallback" in decoder):
+        return None
+    char_to_byte = {char: byte for byte, char in _byte_alphabet().items()}
+    byte_token = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+    specials = tokenizer.special_ids
+    pieces = []
+    for token_id in range(vocab_size):
+        piece = tokenizer.backend.id_to_token(token_id)
+        if piece is None:
+            pieces.append(b"")  # padding rows of the embedding: never allowed
+        elif token_id in specials:
+            pieces.append(b"\xff" + piece.encode())
+        elif byte_level:
+            if any(char not in char_to_byte for char in piece):
+                return None
+            pieces.append(bytes(char_to_byte[char] for char in piece))
+        else:
+            match = byte_token.fullmatch(piece)
+            pieces.append(bytes([int(match.group(1), 16)]) if match else piece.replace("\u2581", " ").encode())
+    return pieces
+
+
+class _Vocabulary:
+    """What llguidance.TokenizerWrapper reads: the tokens' bytes, the special ids, and an encoder."""
+
+    def __init__(self, tokenizer: Tokenizer, pieces: list[bytes]):
+        self._tokenizer = tokenizer
+        self.tokens = pieces
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------- the mask, step by step
+
+
+class ConstraintMask:
+    """A logits processor: each step, every constrained row's disallowed tokens get -inf.
+
+    `constraints` has one entry per batch row (None: the row is free). The masks of all rows are built
+    in one engine call per step (llguidance's executor, which releases the GIL). The processor follows
+    the text it is given: at its first call it takes the prompt as it is, and at each later call it
+    feeds each row's newest token to that row's matcher. A new generate() call (text not one token
+    longer than at the last call) starts the rows again. Raises ConstraintError for a constraint that
+    the vocabulary cannot express or that exceeds the engine's limits.
+    """
+
+    needs_history = True  # it reads each row's newest token
+
+    def __init__(self, tokenizer: Tokenizer, constraints: Sequence[Constraint | None], vocab_size: int,
+                 names: Sequence[str] | None = None):
+        import llguidance
+
+        self.vocab_size = vocab_size
+        self.engine = engine_tokenizer(tokenizer, vocab_size)
+        self.eos_ids = list(tokenizer.eos_token_ids)
+        self.constraints = list(constraints)
+        self.names = list(names) if names is not None else [FLAGS.get(c.kind, c.kind) if c else "" for c in constraints]
+        self.matchers: list[llguidance.LLMatcher | None] = [
+            self._matcher(c, name) if c is not None else None for c, name in zip(self.constraints, self.names)
+        ]
+        self._executor = llguidance.LLExecutor(num_threads=1)  # rows are few; threads would contend with torch
+        self._seen = -1  # text length at the last call
+        self.mask_seconds: list[float] = []  # per step: feeding the tokens, building and applying the masks
+
+    def _matcher(self, constraint: Constraint, name: str) -> llguidance.LLMatcher:
+        import llguidance
+
+        limits = llguidance.LLParserLimits(verbose_errors=False)  # errors without the parser's state dump
+        matcher = llguidance.LLMatcher(self.engine, constraint.grammar, log_level=0, limits=limits)
+        if not matcher.is_error():
+            first = _allowed(matcher.compute_bitmask(), self.vocab_size)
+            if not matcher.is_error() and (matcher.is_accepting() or any(i not in self.eos_ids for i in first)):
+                return matcher
+        if not matcher.is_error() or matcher.get_error().split()[0] in ("NoExtension", "NoExtensionBias"):
+            raise ConstraintError(f"{name}: no token of this model's vocabulary can start it")
+        raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")  # e.g. past the engine's limits
+
+    def reset(self) -> None:
+        for matcher in self.matchers:
+            if matcher is not None:
+                matcher.reset()
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] (the text so far), logits [B, V] -> logits with disallowed tokens at -inf."""
+        import time
+
+        import torch
+
+        if len(self.matchers) != logits.shape[0]:
+            raise ValueError(f"ConstraintMask has {len(self.matchers)} rows but the batch has {logits.shape[0]}")
+        started = time.perf_counter()
+        length = input_ids.shape[1]
+        if length == self._seen + 1:
+            newest = input_ids[:, -1].tolist()
+            for matcher, token in zip(self.matchers, newest):
+                if matcher is not None and not matcher.is_error() and not matcher.is_stopped():
+                    matcher.consume_token(token)  # once stopped (after end-of-text) the row only pads
+        elif self._seen != -1:
+            self.reset()
+        self._seen = length
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(self.matchers), words), -1, dtype=torch.int32)  # (B, W): 32 tokens a word
+        live = [(m, i) for i, m in enumerate(self.matchers) if m is not None and not m.is_error()]
+        if live:
+            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(self.matchers))
+        for i, matcher in enumerate(self.matchers):
+            if matcher is not None and matcher.is_error():
+                bitmask[i] = 0  # only end-of-text, so the row ends (it is finished, or the engine failed)
+                for eos in self.eos_ids:
+                    bitmask[i, eos // 32] |= _bit(eos % 32)
+        shifts = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)  # (B, W*32)
+        vocab = logits.shape[-1]
+        if allowed.shape[1] < vocab:  # logits wider than the engine's vocabulary: the rest is never allowed
+            allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], 1)
+        allowed = allowed[:, :vocab].to(logits.device)
+        unconstrained = torch.tensor([m is None for m in self.matchers], device=logits.device)
+        allowed |= unconstrained[:, None]
+        masked = logits.masked_fill(~allowed, float("-inf"))
+        self.mask_seconds.append(time.perf_counter() - started)
+        return masked
+
+    def release(self, row: int) -> None:
+        """The row has ended (stop string, token limit): its matcher is dropped, and the padding that
+        follows is not fed to it."""
+        self.matchers[row] = None
+        self.constraints[row] = None
+
+    def row_error(self, row: int) -> str | None:
+        """The engine's error for a row whose text broke its constraint (None when it has not)."""
+        matcher = self.matchers[row]
+        return _one_line(matcher.get_error()) if matcher is not None and matcher.is_error() else None
+
+
+def _bit(index: int) -> int:
+    """Bit `index` of an int32 word, as a signed value (bit 31 is the sign)."""
+    return -(1 << 31) if index == 31 else 1 << index
+
+
+def _allowed(bitmask: bytes, vocab_size: int) -> list[int]:
+    return [i for i in range(min(vocab_size, len(bitmask) * 8)) if bitmask[i // 8] >> (i % 8) & 1]

@@ -1,0 +1,239 @@
+"""Greedy speculative decoding by prompt lookup: the same tokens as plain greedy, in fewer passes.
+
+At each step a row proposes up to k tokens: those that followed the latest n-gram's previous
+occurrence in its prompt or its text so far. The model then reads its last token and the k guesses in
+one pass through the cache; the longest prefix of guesses equal to its own argmax is kept, plus the
+model's next token after it, and the rejected keys and values are trimmed from the cache (rolling
+caches keep `num_draft_tokens` spare slots for that). Processors see, at each verified position, the
+text as plain decoding would have it there, so the result is token for token `generate(...,
+do_sample=False)`'s.
+
+k adapts per row: it doubles (up to `num_draft_tokens`) after a guess is taken whole and falls to one
+more than what was taken after a miss, so text that gives nothing to look up costs almost nothing.
+
+A batch is decoded row by row (each row gets what it gets alone, which is what it gets in a plain
+padded batch). Processors must depend only on the text and the logits they are given (all of
+lmcli's do). Where the prompt plus max_new_tokens exceeds max_position_embeddings, speculation is
+off and the plain loop runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lmcli.config import eos_id_list
+from lmcli.generation import loop
+from lmcli.generation.sampling import LogitsProcessor, make_processor_chain
+
+DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
+MAX_DRAFT_TOKENS = 64  # a bound on --num-draft-tokens: a longer guess is rarely taken whole, and costs its pass
+LONGEST_NGRAM = 3
+SHORTEST_NGRAM = 2  # single tokens recur too often by chance to be worth a guess
+
+
+def check_num_draft_tokens(value: Any) -> int:
+    """The one rule for num_draft_tokens (API and CLI): an integer in [1, MAX_DRAFT_TOKENS]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"num_draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {value!r}")
+    return value
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did: tokens guessed, guesses the model kept, and model passes over the text."""
+
+    drafted: int = 0
+    accepted: int = 0
+    passes: int = 0
+    enabled: bool = True  # False where speculation was switched off (see the module docstring)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class NgramLookup:
+    """Where each n-gram of a growing token list last occurred, so a guess costs a few dict reads."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens  # shared with the caller, who appends to it
+        self.indexed = 0  # n-grams ending before this index (whose continuation exists) are indexed
+        self.last_seen: dict[tuple[int, ...], int] = {}  # n-gram -> index just after its latest occurrence
+
+    def propose(self, k: int) -> list[int]:
+        tokens = self.tokens
+        for end in range(self.indexed, len(tokens) - 1):  # index n-grams ending at `end`, continued at end + 1
+            for n in range(SHORTEST_NGRAM, LONGEST_NGRAM + 1):
+                if end + 1 >= n:
+                    self.last_seen[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        self.indexed = max(self.indexed, len(tokens) - 1)
+        for n in range(LONGEST_NGRAM, SHORTEST_NGRAM - 1, -1):
+            if len(tokens) >= n and (start := self.last_seen.get(tuple(tokens[-n:]))) is not None:
+                return tokens[start:start + k]
+        return []
+
+
+def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, do_sample: bool = False, *,
+             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+             attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+             logits_processors: Sequence[LogitsProcessor] | None = None,
+             on_token: Callable[[loop.TokenEvent], Any] | None = None, ignore_output: bool = False,
+             stats: SpeculationStats | None = None, seed: Any = None, **plain: Any) -> torch.Tensor | None:
+    """`loop.generate(model, x, max_new_tokens, do_sample=False, ...)`'s result, by prompt lookup.
+
+    `stats`, if given, is filled in. With a batch, `on_token` is called after every row is done, with
+    the steps replayed in batch shape (a row's stop still stops it; what it computed past that is dropped).
+    """
+    num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
+    if do_sample:
+        raise ValueError("prompt lookup decodes greedily; pass do_sample=False")
+    stats = stats if stats is not None else SpeculationStats()
+    mask = loop._validate_inputs(x, max_new_tokens, attention_mask)
+    batch, width = x.shape
+    if width + max_new_tokens > model.config.max_position_embeddings or plain.get("use_cache") is False:
+        stats.enabled = False
+        return loop.generate(model, x, max_new_tokens, False, attention_mask=attention_mask, eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id, logits_processors=logits_processors, on_token=on_token,
+                             ignore_output=ignore_output, **plain)
+    chain = make_processor_chain(False, 1.0, None, None, logits_processors)
+    eos = eos_id_list(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    keep_logits = on_token is not None and batch > 1
+    live = on_token if batch == 1 else None
+    rows = [_Row(model, x[i].to(model.device), mask[i].to(model.device), i, batch, max_new_tokens, num_draft_tokens,
+                 chain, eos, stats, keep_logits, live)
+            for i in range(batch)]
+    for row in rows:
+        row.run()
+    if on_token is not None and batch > 1:
+        _replay(rows, on_token, pad_token_id, model.device)
+    if ignore_output:
+        return None
+    steps = max(len(row.new_tokens) for row in rows)
+    ids = torch.full((batch, width + steps), pad_token_id, dtype=torch.long, device=model.device)
+    ids[:, :width] = x.to(model.device)
+    for i, row in enumerate(rows):
+        ids[i, width:width + len(row.new_tokens)] = torch.tensor(row.new_tokens, dtype=torch.long)
+    return ids
+
+
+class _Row:
+    """One row's speculative decode, in the slot layout of the plain loop (left pads kept, masked out)."""
+
+    def __init__(self, model: loop.SlotModel[Any], ids: torch.Tensor, mask: torch.Tensor, index: int, batch: int,
+                 max_new_tokens: int, max_draft: int, chain: Any, eos: list[int], stats: SpeculationStats,
+                 keep_logits: bool, on_token: Callable[[loop.TokenEvent], Any] | None):
+        self.model, self.index, self.batch = model, index, batch
+        self.width = ids.shape[0]
+        self.total = self.width + max_new_tokens
+        self.max_new_tokens, self.max_draft = max_new_tokens, max_draft
+        self.chain, self.eos, self.stats = chain, set(eos), stats
+        self.ids = torch.zeros((1, self.total), dtype=torch.long, device=ids.device)  # (1, L)
+        self.ids[0, :self.width] = ids
+        self.slot_is_token = torch.ones((1, self.total), dtype=torch.bool, device=ids.device)  # (1, L)
+        self.slot_is_token[0, :self.width] = mask
+        # Processors see pads replaced by the row's first token, as in the plain loop.
+        first = int(ids[int((~mask).sum())])
+        self.ids[0, :self.width] = torch.where(mask, ids, torch.full_like(ids, first))
+        self.tokens = ids[mask].tolist()  # the real tokens so far (prompt, then new): what lookup reads
+        self.new_tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []  # each new token's raw logits [V], with keep_logits
+        self.keep_logits = keep_logits
+        self.on_token = on_token
+
+    def run(self) -> None:
+        model, device = self.model, self.ids.device
+        cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
+        lookup = NgramLookup(self.tokens)
+        positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
+        length, cached, k = self.width, 0, self.max_draft
+        while True:
+            room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
+            guess = lookup.propose(min(k, room - 1)) if room > 1 else []
+            end = length + len(guess)
+            self.ids[0, length:end] = torch.tensor(guess, dtype=torch.long)
+            # What the cache lacks (the whole prompt first, as the plain loop feeds it), then the guesses.
+            logits = model.forward_slots(self.ids[:, cached:end], positions[:, cached:end],
+                                         torch.arange(cached, end, device=device), self.slot_is_token, cache,
+                                         last_only=not guess)[0, -1 - len(guess):].float()  # (1 + len(guess), V)
+            self.stats.passes += 1
+            self.stats.drafted += len(guess)
+            taken = 0
+            stop = False
+            for j in range(len(guess) + 1):
+                token = self._choose(length + j, logits[j])
+                stop = self._emit(token, logits[j])
+                if j < len(guess) and token == guess[j] and not stop:
+                    taken += 1
+                    continue
+                self.ids[0, length + j] = token
+                break
+            self.stats.accepted += taken
+            length += taken + 1
+            # The cache holds the last token and every guess; keep only the guesses taken.
+            trimmed = cache.trim(len(guess) - taken)
+            if trimmed != len(guess) - taken:  # never: the ring keeps max_draft spare slots
+                raise RuntimeError(f"the cache could trim {trimmed} of {len(guess) - taken} rejected tokens")
+            cached = length - 1
+            if guess:
+                k = min(self.max_draft, 2 * k) if taken == len(guess) else taken + 1
+            if stop or len(self.new_tokens) >= self.max_new_tokens:
+                return
+
+    def _choose(self, length: int, logits: torch.Tensor) -> int:
+        """The plain loop's greedy choice with the text's first `length` columns before it."""
+        context = self.ids[:, :length] if self.chain.needs_history else self.ids[:, :0]
+        if self.batch > 1:  # processors may keep per-row settings: give them the whole batch's shape
+            context = context.expand(self.batch, -1)
+            scores = self.chain(context, logits.expand(self.batch, -1).clone())[self.index]
+        else:
+            scores = self.chain(context, logits[None].clone())[0]
+        return int(scores.argmax())
+
+    def _emit(self, token: int, logits: torch.Tensor) -> bool:
+        """Record a new token; True when the row ends with it."""
+        self.new_tokens.append(token)
+        self.tokens.append(token)
+        if self.keep_logits:
+            self.logits.append(logits)
+        stop = token in self.eos
+        if self.on_token is not None:
+            device = logits.device
+            n = len(self.new_tokens)
+            event = loop.TokenEvent(n - 1, torch.tensor([token], device=device), torch.tensor([stop], device=device),
+                                    torch.tensor([n], device=device), logits[None])
+            asked = self.on_token(event)
+            if asked is not None and bool(torch.as_tensor(asked).any()):
+                stop = True
+        return stop
+
+
+def _replay(rows: list[_Row], on_token: Callable[[loop.TokenEvent], Any], pad_token_id: int,
+            device: torch.device) -> None:
+    """Call `on_token` step by step as the plain loop would for the whole batch; a row it stops is cut there."""
+    batch = len(rows)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    vocab = rows[0].logits[0].shape[-1]
+    for step in range(max(len(row.new_tokens) for row in rows)):
+        tokens = torch.full((batch,), pad_token_id, dtype=torch.long, device=device)
+        logits = torch.zeros((batch, vocab), device=device)
+        for i, row in enumerate(rows):
+            if not finished[i] and step < len(row.new_tokens):
+                tokens[i] = row.new_tokens[step]
+                logits[i] = row.logits[step]
+        lengths += (~finished).long()
+        finished |= torch.tensor([t in row.eos for t, row in zip(tokens.tolist(), rows)], device=device) & ~finished
+        asked = on_token(loop.TokenEvent(step, tokens, finished.clone(), lengths.clone(), logits))
+        if asked is not None:
+            finished |= torch.as_tensor(asked, dtype=torch.bool, device=device).expand(batch)
+        for i, row in enumerate(rows):
+            if finished[i]:
+                del row.new_tokens[step + 1:]
+        if bool(finished.all()):
+            break
