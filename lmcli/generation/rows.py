@@ -10,7 +10,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcli.errors import TokenizerError
 from lmcli.settings import GenerationSettings, RowError, input_hash
@@ -20,7 +20,18 @@ if TYPE_CHECKING:
 
     from lmcli.generation.loop import TokenEvent
     from lmcli.io.tokenizer import Tokenizer
-    from lmcli.models.base import BaseModel
+
+
+class GeneratingModel(Protocol):
+    """What rows need of a model (lmcli.models.base.BaseModel and the encoder-decoders are ones): rows sit
+    below the models and know them only through this."""
+
+    config: Any
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor: ...
 
 
 @dataclass
@@ -135,7 +146,7 @@ def plan_batches(rows: list[PreparedRow], batch_size: int) -> Iterator[list[Prep
 
 
 def generate_batch(
-    model: BaseModel,
+    model: GeneratingModel,
     tokenizer: Tokenizer,
     rows: list[PreparedRow],
     *,

@@ -26,6 +26,7 @@ from lmcli.models.layers import (
     rope_cos_sin,
     rope_inverse_frequencies,
 )
+from lmcli.models.linear import WeightCounting
 
 if TYPE_CHECKING:
     from lmcli.models.cache import LayerCache, ModelCache
@@ -70,7 +71,7 @@ class Decoder(nn.Module):
         self.norm = make_norm(config)
 
 
-class BaseModel(nn.Module):
+class BaseModel(WeightCounting, nn.Module):
     """A decoder-only language model. `model(input_ids, attention_mask)` returns logits [B, T, vocab]."""
 
     def __init__(self, config: ModelConfig):
@@ -274,12 +275,4 @@ class BaseModel(nn.Module):
         """The activation dtype (weights may be stored quantized: see `weight_formats`)."""
         return next(self.model.norm.parameters()).dtype
 
-    def weight_formats(self) -> dict[str, int]:
-        """How many weights are stored in each form: {"float32": n, "int4pack": n, ...}."""
-        from lmcli.models.linear import weight_formats
-
-        return weight_formats(self)
-
-    def num_parameters(self) -> int:
-        return sum(self.weight_formats().values())
 

@@ -26,6 +26,7 @@ from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
 from lmcli.models.layers import MLP, make_norm
+from lmcli.models.linear import WeightCounting
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -203,7 +204,7 @@ def encoder_mask(x: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
     return mask
 
 
-class EncoderDecoderModel(nn.Module):
+class EncoderDecoderModel(WeightCounting, nn.Module):
     """`model(input_ids, attention_mask, decoder_input_ids)` returns decoder logits [B, T_dec, vocab];
     `generate` takes the encoder input and returns decoder ids, as transformers' does."""
 
@@ -340,10 +341,3 @@ class EncoderDecoderModel(nn.Module):
     def _a_norm(self) -> nn.LayerNorm:
         return cast(nn.LayerNorm, cast(Block, self.model.decoder.layers[0]).mlp_norm)  # or an RMSNorm: both have .weight
 
-    def weight_formats(self) -> dict[str, int]:
-        from lmcli.models.linear import weight_formats
-
-        return weight_formats(self)
-
-    def num_parameters(self) -> int:
-        return sum(self.weight_formats().values())

@@ -122,6 +122,18 @@ def tie_quantized_head(model: nn.Module) -> bool:
     return True
 
 
+class WeightCounting:
+    """`weight_formats()` and `num_parameters()` for a model (decoders and encoder-decoders alike)."""
+
+    def weight_formats(self) -> dict[str, int]:
+        """How many weights are stored in each form: {"float32": n, "int4pack": n, ...}."""
+        assert isinstance(self, nn.Module)
+        return weight_formats(self)
+
+    def num_parameters(self) -> int:
+        return sum(self.weight_formats().values())
+
+
 def weight_formats(model: nn.Module) -> dict[str, int]:
     """How many weights of each stored form: {"int4pack": n, "float32": n, ...}."""
     counts: dict[str, int] = {}
