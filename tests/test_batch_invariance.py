@@ -110,3 +110,30 @@ def test_default_model_still_says_paris_with_chat(smollm2_gguf):
                                       "What is the capital of France?"])
     assert result.exit_code == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_the_fixed_kernel_choice_is_cached_and_a_damaged_entry_is_probed_again(tmp_path, monkeypatch):
+    """The probe runs once per machine (in a child) and its answer is kept in kernels.json; an entry that
+    names a kernel lmcli does not have, or is not an object, is never used."""
+    import json
+
+    import torch
+
+    from lmcli.models import kernel_plan
+
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
+    device = torch.device("cpu")
+    kernel_plan.fixed_choice.cache_clear()
+    first = kernel_plan.fixed_choice("int4", torch.bfloat16, device)
+    stored = json.loads((tmp_path / "kernels.json").read_text())
+    [entries] = stored.values()
+    assert entries["fixed|int4|bfloat16"]["kernel"] == first.kernel
+    for damage in ({"kernel": "rm -rf"}, "not an object"):
+        entry = {**entries["fixed|int4|bfloat16"], **damage} if isinstance(damage, dict) else damage
+        (tmp_path / "kernels.json").write_text(json.dumps({next(iter(stored)): {"fixed|int4|bfloat16": entry}}))
+        kernel_plan.fixed_choice.cache_clear()
+        again = kernel_plan.fixed_choice("int4", torch.bfloat16, device)
+        assert again.kernel == first.kernel
+        assert json.loads((tmp_path / "kernels.json").read_text())[next(iter(stored))]["fixed|int4|bfloat16"][
+            "kernel"] == first.kernel
+    kernel_plan.fixed_choice.cache_clear()

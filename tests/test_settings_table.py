@@ -149,8 +149,11 @@ def test_the_tables_names_are_the_ones_each_place_uses():
     assert fields == set(SETTINGS)
     generate = get_command(app).commands["generate"]  # type: ignore[attr-defined]
     flags = {name for p in generate.params for name in (*p.opts, *getattr(p, "secondary_opts", ()))}
-    assert {s.flag for s in SETTINGS.values()} <= flags
-    assert set(ROW_FIELDS) - {"prompt", "id"} == {name for name, s in SETTINGS.items() if s.row}
+    # a setting given by one of several flags (the structured-output constraint) names them joined by '/'
+    assert {flag for s in SETTINGS.values() if s.flag for flag in s.flag.split('/')} <= flags
+    from lmcli.generation.constraints import KINDS  # a row's constraint: one field per kind
+
+    assert set(ROW_FIELDS) - {"prompt", "id", *KINDS} == {name for name, s in SETTINGS.items() if s.row}
     config = GenerationConfig()
     assert all(hasattr(config, s.hf) for s in SETTINGS.values() if s.hf)
     gguf_keys = {v for k, v in vars(gguf.Keys.General).items() if k.startswith("SAMPLING_")}

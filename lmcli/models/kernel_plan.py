@@ -180,7 +180,41 @@ def fast_kernels() -> bool:
 @functools.cache
 def fixed_choice(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
     """The batch-invariant choice: torch's int4 kernel where it exists and passes a small probe
-    against F.linear on the dequantised weight, else dequantise; one kernel at every row count."""
+    against F.linear on the dequantised weight, else dequantise; one kernel at every row count.
+
+    On the CPU the probe runs once per machine (cached with the measured plans) in a child process, so a
+    loading process does not keep the resident memory of kernels it probed."""
+    if device.type != "cpu":
+        return _probe_fixed(kind, dtype, device)
+    path, machine = _plan_file(), _machine_key(device)
+    entry = f"fixed|{kind}|{_dtype_name(dtype)}"
+    stored = _read_plans(path)
+    try:
+        known = KernelChoice(**stored[machine][entry])
+        if (known.kind, known.dtype, known.large_rows) == (kind, _dtype_name(dtype), None) and \
+                known.kernel in (*_candidates(kind, device), "dequantise"):
+            return known  # else a damaged or foreign entry: probe again
+    except (KeyError, TypeError):
+        pass
+    fields = _in_child("_fixed_for_parent", [kind, _dtype_name(dtype)])
+    try:
+        choice = KernelChoice(**fields) if isinstance(fields, dict) else _probe_fixed(kind, dtype, device)
+    except TypeError:
+        choice = _probe_fixed(kind, dtype, device)
+    stored.setdefault(machine, {})[entry] = asdict(choice)
+    _write_plans(path, stored)
+    return choice
+
+
+def _fixed_for_parent() -> None:
+    """The child's side of `fixed_choice`: arguments kind and activation dtype."""
+    import sys
+
+    kind, dtype = sys.argv[1:]
+    print(json.dumps(asdict(_probe_fixed(kind, getattr(torch, dtype), torch.device("cpu")))))
+
+
+def _probe_fixed(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
     gen = torch.Generator().manual_seed(0)
     q = GroupQuantized.quantize(torch.randn(128, 256, generator=gen) * 0.05, 4 if kind == "int4" else 8)
     x = torch.randn(3, 256, generator=gen)
@@ -227,12 +261,7 @@ def measured_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "c
 def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.device) -> dict[str, KernelChoice]:
     path, machine = _plan_file(), _machine_key(device)
     entry = f"{kind}|{','.join(map(_dtype_name, dtypes))}"
-    try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
-        stored = {}
-    if not isinstance(stored, dict):
-        stored = {}
+    stored = _read_plans(path)
     known = stored.get(machine, {}).get(entry)
     if isinstance(known, dict) and not os.environ.get("LMCLI_REMEASURE") and not _worth_measuring_again(known):
         try:
@@ -242,6 +271,20 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
     choices = (_measure_apart(kind, dtypes) if device.type == "cpu" else None) or measure(kind, device, dtypes)
     stored.setdefault(machine, {})[entry] = {**{label: asdict(choice) for label, choice in choices.items()},
                                              _LOAD_KEY: _load_average()}
+    _write_plans(path, stored)
+    return choices
+
+
+def _read_plans(path: Path) -> dict[str, Any]:
+    """The plans file by machine key; empty when it is missing or not what lmcli writes."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return stored if isinstance(stored, dict) and all(isinstance(v, dict) for v in stored.values()) else {}
+
+
+def _write_plans(path: Path, stored: dict[str, Any]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         from lmcli.io.atomic import write_atomically
@@ -249,7 +292,6 @@ def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.devi
         write_atomically(path, json.dumps(stored, indent=1) + "\n")
     except OSError:
         pass  # a read-only cache only means measuring again next time
-    return choices
 
 
 _LOAD_KEY = "load_average"  # of the machine when a plan was measured
@@ -276,21 +318,29 @@ def _measure_apart(kind: str, dtypes: tuple[torch.dtype, ...]) -> dict[str, Kern
     """`measure` in a child process with this one's thread count; None if that fails (the caller then
     measures here). Its probe matrices and timing loops peak at about 80 MB, which a loading
     process would otherwise keep as resident memory it never uses again."""
+    fields = _in_child("_measure_for_parent", [kind, str(torch.get_num_threads()), *map(str, _PROBE_SHAPE),
+                                               *map(_dtype_name, dtypes)])
+    try:
+        return {label: KernelChoice(**value) for label, value in fields.items()} if isinstance(fields, dict) else None
+    except (TypeError, AttributeError):
+        return None
+
+
+def _in_child(function: str, args: list[str]) -> Any:
+    """The JSON that this module's `function` prints in a child process run with `args`; None on failure."""
     import subprocess
     import sys
 
     import lmcli
 
-    code = "from lmcli.models.kernel_plan import _measure_for_parent; _measure_for_parent()"
+    code = f"from lmcli.models.kernel_plan import {function}; {function}()"
     package_root = str(Path(lmcli.__file__).resolve().parents[1])  # the same lmcli as this process
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    args = [sys.executable, "-c", code, kind, str(torch.get_num_threads()), *map(str, _PROBE_SHAPE),
-            *map(_dtype_name, dtypes)]
     try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
-        fields = json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
-        return {label: KernelChoice(**value) for label, value in fields.items()} if fields else None
-    except (OSError, subprocess.SubprocessError, ValueError, TypeError, IndexError, AttributeError):
+        result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
+                                env=env)
+        return json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
 
 
