@@ -8,8 +8,10 @@ scheduler instead of working: with one of two cores busy elsewhere, decoding wit
 - OMP_NUM_THREADS: the CPUs this process may use (sched_getaffinity) less those other processes
   keep busy (the load average, or the tasks runnable now if fewer; at least 1). Under torchrun the
   ranks on this machine share the CPUs, so that ranks x threads never exceeds them.
-- OMP_WAIT_POLICY=PASSIVE: an idle thread sleeps at once rather than spinning (measured against a
-  short GOMP_SPINCOUNT and libgomp's default, quiet and beside a busy core: see the README).
+- OMP_WAIT_POLICY=PASSIVE when a CPU is busy elsewhere at the start (or torchrun ranks share the
+  machine): an idle thread sleeps at once rather than spinning. On a quiet machine libgomp's default
+  (spin, then sleep) is kept: it decodes much faster there (measured quiet and beside a busy core with
+  tools/thread_settings.py: see the README).
 
 The user wins: `--threads N` over everything, then OMP_NUM_THREADS / OMP_WAIT_POLICY / GOMP_SPINCOUNT
 from the environment (a wait variable the user set means lmcli sets neither). If torch was imported
@@ -118,6 +120,7 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
             return Choice(requested, wait, "--threads (torch was loaded before lmcli, so its wait is as it was)")
         return Choice(torch_threads, wait, "torch was loaded before lmcli chose; its settings are the program's")
     env_out: dict[str, str] = {}
+    busy = machine.busy_elsewhere()
     if requested is not None:
         threads: int | None = requested
         why = "--threads"
@@ -125,7 +128,6 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
         threads = _whole_number(users[THREADS_VAR].split(",")[0])
         why = f"{THREADS_VAR}={users[THREADS_VAR]} from the environment"
     else:
-        busy = machine.busy_elsewhere()
         if machine.local_ranks > 1:
             free = machine.cpus - max(busy - (machine.local_ranks - 1), 0)  # the other ranks are not "elsewhere"
             threads = max(free // machine.local_ranks, 1)
@@ -139,9 +141,14 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
         env_out[THREADS_VAR] = str(threads)
     if any(name in users for name in WAIT_VARS):
         wait = f"{_wait_text(users)} from the environment"
-    else:
+    elif busy or machine.local_ranks > 1:
         env_out.update(WAIT_CHOICE)
         wait = f"{_wait_text(WAIT_CHOICE)} (idle threads sleep: a spinning one can stall on a taken core)"
+    else:
+        # A quiet machine: libgomp's spin-then-sleep decodes the default model 1.6x faster than sleeping
+        # at once (55 against 34 tok/s at 2 threads, tools/thread_settings.py); a core taken only after
+        # the start can still slow it, as it did before lmcli chose.
+        wait = f"{_wait_text({})} (no CPU busy elsewhere at the start)"
     return Choice(threads, wait, why, env_out)
 
 

@@ -23,21 +23,21 @@ def machine(cpus=4, load=0.0, runnable=1, host_cpus=None, ranks=1):
     return threads.Machine(cpus=cpus, host_cpus=host_cpus or cpus, load=load, runnable=runnable, local_ranks=ranks)
 
 
-@pytest.mark.parametrize("fake, expected", [
-    (machine(cpus=4), 4),  # quiet: every CPU
-    (machine(cpus=4, load=1.0, runnable=2), 3),  # one busy loop elsewhere
-    (machine(cpus=2, load=1.1, runnable=2), 1),
-    (machine(cpus=4, load=3.0, runnable=1), 4),  # the average still remembers a load that has ended
-    (machine(cpus=4, load=9.0, runnable=12), 1),  # crowded: never fewer than one
-    (machine(cpus=2, host_cpus=64, load=32.0, runnable=40), 1),  # our share of a busy host's load
-    (machine(cpus=2, host_cpus=64, load=8.0, runnable=9), 2),
-    (machine(cpus=4, load=2.0, runnable=None), 2),  # no runnable count: the load average alone
+@pytest.mark.parametrize("fake, expected, sleeps", [
+    (machine(cpus=4), 4, False),  # quiet: every CPU, and libgomp's own spin-then-sleep
+    (machine(cpus=4, load=1.0, runnable=2), 3, True),  # one busy loop elsewhere
+    (machine(cpus=2, load=1.1, runnable=2), 1, True),
+    (machine(cpus=4, load=3.0, runnable=1), 4, False),  # the average still remembers a load that has ended
+    (machine(cpus=4, load=9.0, runnable=12), 1, True),  # crowded: never fewer than one
+    (machine(cpus=2, host_cpus=64, load=32.0, runnable=40), 1, True),  # our share of a busy host's load
+    (machine(cpus=2, host_cpus=64, load=8.0, runnable=9), 2, False),
+    (machine(cpus=4, load=2.0, runnable=None), 2, True),  # no runnable count: the load average alone
 ])
-def test_threads_are_the_free_cpus_and_idle_threads_sleep(fake, expected):
+def test_threads_are_the_free_cpus_and_idle_threads_sleep_beside_busy_ones(fake, expected, sleeps):
     choice = threads.choose(fake, {})
     assert choice.threads == expected
-    assert choice.env == {"OMP_NUM_THREADS": str(expected), "OMP_WAIT_POLICY": "PASSIVE"}
-    assert "PASSIVE" in choice.describe()
+    assert choice.env == {"OMP_NUM_THREADS": str(expected), **({"OMP_WAIT_POLICY": "PASSIVE"} if sleeps else {})}
+    assert ("PASSIVE" in choice.describe()) == sleeps
 
 
 def test_read_machine_reads_affinity_load_and_torchrun(monkeypatch):
@@ -55,7 +55,9 @@ def test_the_users_settings_win():
     by_flag = threads.choose(quiet, {"OMP_NUM_THREADS": "3"}, requested=2)
     assert by_flag.threads == 2 and by_flag.env["OMP_NUM_THREADS"] == "2" and "--threads" in by_flag.why
     by_env = threads.choose(quiet, {"OMP_NUM_THREADS": "3"})
-    assert by_env.threads == 3 and "OMP_NUM_THREADS" not in by_env.env and by_env.env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert by_env.threads == 3 and "OMP_NUM_THREADS" not in by_env.env and "OMP_WAIT_POLICY" not in by_env.env
+    busy = threads.choose(machine(cpus=4, load=1.0, runnable=2), {"OMP_NUM_THREADS": "3"})
+    assert busy.threads == 3 and busy.env == {"OMP_WAIT_POLICY": "PASSIVE"}  # their count, lmcli's wait
     for wait in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "5000"}):
         choice = threads.choose(quiet, wait)
         assert choice.env == {"OMP_NUM_THREADS": "4"}  # the user's wait, and no second wait variable beside it
