@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from tiny import CASES, prompts, random_reference, save_reference
 
 import lmcli
@@ -134,3 +135,43 @@ def test_quantized_model_with_fused_projections_equals_transformers_with_rounded
         (ids,) = prompts([12])
         want = reference(ids[None]).logits
     torch.testing.assert_close(model(ids[None]), want, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: f"int{c[0]}-{c[1]}-{str(c[2]).removeprefix('torch.')}")
+def test_a_part_without_offsets_fuses_with_parts_that_have_them(case):
+    """Q4_0-like parts (no offsets) beside Q4_1-like ones (offsets): the fused kernel equals F.linear on
+    the dequantised, concatenated weights, where a missing offset is exactly 0."""
+    bits, name, dtype = case
+    layout = kernels.cpu_pack_layout()
+    if name != "dequantise" and layout is None:
+        pytest.skip("torch's CPU int4 packing has no block layout here: its kernels are never fused")
+    block = layout.block if layout is not None else 64
+    sizes, k = [block, 2 * block, block], 128
+    parts = [random_weight(n, k, bits, seed) for seed, n in enumerate(sizes)]
+    parts[1] = GroupQuantized(parts[1].codes, parts[1].scales, None, parts[1].group, parts[1].bits)  # no offsets
+    modules = [QuantLinear(build_kernel(name, q, dtype), None, None) for q in parts]
+    fused = fuse_linears(modules)
+    assert isinstance(fused, QuantLinear)
+    weight = torch.cat([q.dequantise(torch.float32) for q in parts])
+    for rows in (1, 3):
+        x = torch.randn(rows, k)
+        close(fused(x.to(dtype)), F.linear(x, weight), dtype)
+
+
+def test_the_default_model_gets_the_fixed_kernel_for_each_weight_kind(smollm2_gguf):
+    """Which kernel the installer chose, per weight kind, against the file's own tensor types (read by the
+    gguf package): Q4_x weights run on torch's int4 kernel, 8-bit ones on its int4-pair form."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(smollm2_gguf))
+    kinds = {t.tensor_type.name for t in reader.tensors if len(t.shape) == 2}
+    model, _ = lmcli.load(smollm2_gguf)
+    has_int4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    chosen = {kind: choice.kernel for kind, choice in model.kernel_choices.items()}
+    if any(k.startswith("Q4") for k in kinds):
+        assert chosen["int4"] == ("int4pack" if has_int4 else "dequantise")
+    if any(k in ("Q8_0", "Q6_K", "Q5_0", "Q5_1", "Q5_K") for k in kinds):
+        assert chosen["int8"] == ("int4pair" if has_int4 else "dequantise")
+    formats = model.weight_formats()
+    q4 = sum(int(t.n_elements) for t in reader.tensors if len(t.shape) == 2 and t.tensor_type.name.startswith("Q4"))
+    assert formats.get(chosen["int4"], 0) >= q4 > 0  # every Q4 weight is held by that kernel
