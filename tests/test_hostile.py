@@ -712,6 +712,8 @@ def test_gguf_tensors_that_share_bytes_are_refused_and_memory_stays_bounded(tmp_
     assert (q_start - embed_start, q_end - q_start, embed_end - embed_start) == (32, 512 * 512 * 4, 64 * 512 * 4)
     script = _PEAK + f"""
 import torch, lmcli, lmcli.loading, lmcli.io.gguf, lmcli.io.tokenizer
+# what loading imports before it reads a header: code, not the file's cost
+import lmcli.default_model, lmcli.fingerprint, lmcli.models.base, lmcli.models.kernel_plan, lmcli.threads
 from lmcli.errors import LmcliError
 print(peak_rss_bytes())
 try:
