@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_fixtures import subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
+from test_memory import _PEAK  # the peak-RSS helper the memory bounds are measured with
 from tiny import save_reference
 from typer.testing import CliRunner
 
@@ -597,13 +598,6 @@ print(peak_rss_bytes())
     assert int(peak) < 2**30 / 2  # the 1 GiB file was never read into memory
 
 
-_PEAK = """
-def peak_rss_bytes():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-"""
 
 
 def test_a_transcript_whose_model_is_not_an_object_is_named(tiny_checkpoint, tmp_path):
