@@ -42,6 +42,7 @@ from lmcli.bench_measure import (
     mean_kl_divergence,
 )
 from lmcli.bench_report import print_report
+from lmcli.bench_sections import section_functions
 from lmcli.bench_settings import ENGINES, FORMATS, BenchSettings, settings_from_options
 
 if TYPE_CHECKING:  # torch loads only when a benchmark runs: `lmcli --help` stays quick
@@ -154,13 +155,29 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
     from lmcli.threads import configure
 
     chosen = configure()  # before torch loads here; the workers inherit its environment
-    from lmcli.loading import resolve_device, resolve_dtype
     from lmcli.model_ref import resolve_model
 
     # Resolved once here; each engine's process is handed the path (and the name its config must match).
     resolved = resolve_model(settings.checkpoint, settings.model)
     settings.checkpoint, settings.model = str(resolved.path), resolved.check_as
-    path = resolved.path.resolve()
+    results: dict[str, Any] = {"checkpoint": str(resolved.path.resolve())}
+    if "engines" in settings.sections:
+        results.update(_run_engines(settings, chosen, progress))
+    sections: dict[str, Any] = {}
+    for name in settings.sections:
+        if name != "engines":
+            measure, _ = section_functions(name)
+            sections[name] = measure(settings, resolved, progress)
+    if sections:
+        results["sections"] = sections
+    return results
+
+
+def _run_engines(settings: BenchSettings, chosen: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+    """The engine comparison: prefill, decode, scaling and quality of lmcli, transformers and llama.cpp."""
+    from lmcli.loading import resolve_device, resolve_dtype
+
+    path = Path(settings.checkpoint or "").resolve()
     threads = settings.threads or chosen.threads
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)
@@ -190,7 +207,6 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
         figures.pop("tokens", None)
     identical = None if float_tokens is None or reference_tokens is None else float_tokens == reference_tokens
     return {
-        "checkpoint": str(path),
         "native_format": native,
         "float_dtype": str(float_dtype).removeprefix("torch."),
         "machine": machine,
@@ -214,7 +230,11 @@ def main(checkpoint: str | None = None, as_json: bool = False, **options: Any) -
     results = run(settings, progress=lambda message: status.print(f"[dim]{message}…[/dim]"))
     if as_json:
         sys.stdout.write(json.dumps(results, indent=1) + "\n")
-    else:
-        print_report(results)
+        return results
+    console = Console()
+    if "engines" in settings.sections:
+        print_report(results, console)
+    for name, result in results.get("sections", {}).items():
+        section_functions(name)[1](result, console)
     return results
 

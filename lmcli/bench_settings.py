@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcli.bench_models import TEXT_PROMPTS
+from lmcli.bench_sections import DEFAULT_SECTIONS, SECTIONS
 from lmcli.errors import UsageError
 
 ENGINES = ("lmcli", "transformers", "llama.cpp")
@@ -39,6 +40,7 @@ class BenchSettings:
     kl_tokens: int = 512
     threads: int | None = None  # default: lmcli's choice for the machine (lmcli.threads)
     background_load: int = 0  # busy loops spinning beside the engines in a second set of runs (0: none)
+    sections: Sequence[str] = DEFAULT_SECTIONS  # lmcli.bench_sections: which parts of the bench run
 
     def quick(self) -> BenchSettings:
         """Less of everything: one round, no 4k context or batch 32, a shorter quality check."""
@@ -72,7 +74,8 @@ def _sizes(value: str | Sequence[int], option: str) -> tuple[int, ...]:
 def settings_from_options(checkpoint: str | None = None, *, engines: str | Sequence[str] | None = None,
                           formats: str | Sequence[str] | None = None, max_new_tokens: int | None = None,
                           batch_size: int | None = None, contexts: str | Sequence[int] | None = None,
-                          scaling_batches: str | Sequence[int] | None = None, skip_quality: bool = False,
+                          scaling_batches: str | Sequence[int] | None = None,
+                          sections: str | Sequence[str] | None = None, skip_quality: bool = False,
                           quick: bool = False, **options: Any) -> BenchSettings:
     """BenchSettings from `lmcli bench`'s options (names as on the command line), validated."""
     settings = BenchSettings(checkpoint=checkpoint, **options)
@@ -80,6 +83,8 @@ def settings_from_options(checkpoint: str | None = None, *, engines: str | Seque
         settings.engines = _names(engines, ENGINES, "--engines")
     if formats is not None:
         settings.formats = _names(formats, FORMATS, "--formats")
+    if sections is not None:
+        settings.sections = _names(sections, tuple(SECTIONS), "--sections")
     if max_new_tokens is not None:
         if max_new_tokens < 2:
             raise UsageError("--max-new-tokens must be at least 2: decode speed is timed between tokens")

@@ -25,6 +25,7 @@ from typing import Annotated, Any
 import typer
 
 from lmcli.bench import BenchSettings
+from lmcli.bench_sections import SECTIONS
 from lmcli.command_group import LmcliGroup
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
@@ -576,6 +577,7 @@ def convert(
 
 _BENCH_PANEL = "What to measure"
 _BENCH = BenchSettings()  # the defaults, shown in --help
+_BENCH_SECTIONS = tuple(SECTIONS)
 _measure = functools.partial(_option, panel=_BENCH_PANEL)
 
 
@@ -624,6 +626,10 @@ def bench(
     background_load: Annotated[int | None, _measure(
         "N", "Also measure prefill and decode while N busy loops keep cores taken (a shared machine), beside "
              "the quiet figures; the loops are stopped at the end.", min=0, max=256)] = None,
+    sections: Annotated[str | None, _measure(
+        "LIST", "Parts of the bench to run, comma-separated: engines (the engine comparison) or "
+                f"{', '.join(n for n in _BENCH_SECTIONS if n != 'engines') or 'none other yet'}. "
+                f"Default: {_listed(_BENCH.sections)}.")] = None,
     as_json: Annotated[bool, _switch("--json", "Print the results as JSON instead of tables.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
@@ -634,7 +640,8 @@ def bench(
         model=model, device=device.value, dtype=dtype.value, engines=engines, formats=formats,
         max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
         prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
-        skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, as_json=as_json,
+        skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, sections=sections,
+        as_json=as_json,
     )
     # Unset options are left out so bench.py's own defaults apply (and are validated there).
     bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})

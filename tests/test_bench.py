@@ -94,3 +94,14 @@ def test_quick_does_less_of_everything():
     assert settings.repeats == 1 and max(settings.scaling_contexts) < max(default.scaling_contexts)
     assert max(settings.scaling_batches) < max(default.scaling_batches)
     assert settings.kl_tokens < default.kl_tokens and settings.quality_prompts < default.quality_prompts
+
+
+def test_sections_flag_names_its_choices():
+    from lmcli.bench_sections import SECTIONS
+    from lmcli.bench_settings import settings_from_options
+    from lmcli.errors import UsageError
+
+    assert settings_from_options(None).sections == ("engines",)
+    assert tuple(settings_from_options(None, sections="engines").sections) == ("engines",)
+    with pytest.raises(UsageError, match="--sections nope: choose from " + ", ".join(SECTIONS)):
+        settings_from_options(None, sections="nope")

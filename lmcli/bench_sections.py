@@ -1,0 +1,28 @@
+"""The parts of `lmcli bench` beyond the engine comparison, each in its own module: a name -> where its
+`measure` and `report` live. `lmcli bench --sections NAMES` picks them; "engines" is bench.py's own table
+(prefill, decode, scaling, quality across lmcli, transformers and llama.cpp).
+
+A section module provides:
+    measure(settings: BenchSettings, resolved: ResolvedModel, progress: Callable[[str], None]) -> dict
+        plain data (what --json prints under "sections"/NAME); it loads what it needs itself.
+    report(result: dict, console: rich.console.Console) -> None
+        prints its tables.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+# name -> module (imported only when the section runs, so `lmcli --help` stays quick)
+SECTIONS: dict[str, str] = {
+    "engines": "lmcli.bench",
+}
+DEFAULT_SECTIONS = ("engines",)
+
+
+def section_functions(name: str) -> tuple[Callable[..., dict[str, Any]], Callable[..., None]]:
+    """The `measure` and `report` functions of a section other than "engines"."""
+    module = importlib.import_module(SECTIONS[name])
+    return module.measure, module.report
