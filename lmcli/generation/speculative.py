@@ -1,20 +1,24 @@
-"""Greedy speculative decoding by prompt lookup: the same tokens as plain greedy, in fewer passes.
+"""Speculative decoding: the same tokens as plain greedy (or the same distribution as plain sampling),
+in fewer passes of the model over its weights.
 
-At each step a row proposes up to k tokens: those that followed the latest n-gram's previous
-occurrence in its prompt or its text so far. The model then reads its last token and the k guesses in
-one pass through the cache; the longest prefix of guesses equal to its own argmax is kept, plus the
-model's next token after it, and the rejected keys and values are trimmed from the cache (rolling
-caches keep `num_draft_tokens` spare slots for that). Processors see, at each verified position, the
-text as plain decoding would have it there, so the result is token for token `generate(...,
-do_sample=False)`'s.
+At each step a row proposes up to k tokens: by prompt lookup, those that followed the latest n-gram's
+previous occurrence in its prompt or its text so far; with a draft model, the draft's own choices
+(speculative_draft.py). The model then reads its last token and the k guesses in one pass through the
+cache, each query computed as a one-token step computes it (`each_query_alone`), so its logits at
+each position are plain decoding's. Greedy keeps the longest prefix of guesses equal to its own
+argmax, plus its next token after it; sampling keeps or replaces each guess by the standard rule
+(speculative_sampling.py). Rejected keys and values are trimmed from the caches (rolling caches keep
+`num_draft_tokens` spare slots for that). Processors see, at each verified position, the text as
+plain decoding would have it there, so greedy gives token for token `generate(..., do_sample=False)`.
 
 k adapts per row: it doubles (up to `num_draft_tokens`) after a guess is taken whole and falls to one
 more than what was taken after a miss, so text that gives nothing to look up costs almost nothing.
 
 A batch is decoded row by row (each row gets what it gets alone, which is what it gets in a plain
 padded batch). Processors must depend only on the text and the logits they are given (all of
-lmcli's do). Where the prompt plus max_new_tokens exceeds max_position_embeddings, speculation is
-off and the plain loop runs.
+lmcli's do; a structured-output mask, which follows the text step by step, switches speculation off).
+Where the prompt plus max_new_tokens exceeds max_position_embeddings (the target's or the draft's),
+speculation is off and the plain loop runs; `SpeculationStats.note` says why.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import torch
 
 from lmcli.config import eos_id_list
 from lmcli.generation import loop
-from lmcli.generation.sampling import LogitsProcessor, make_processor_chain
+from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row_generators
+from lmcli.generation.speculative_draft import DraftProposer, fits
+from lmcli.generation.speculative_sampling import accept_or_resample, draw
 
 DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
 MAX_DRAFT_TOKENS = 64  # a bound on --num-draft-tokens: a longer guess is rarely taken whole, and costs its pass
@@ -49,7 +55,9 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     passes: int = 0
+    draft_passes: int = 0
     enabled: bool = True  # False where speculation was switched off (see the module docstring)
+    note: str | None = None  # why it was
 
     @property
     def acceptance(self) -> float:
@@ -57,6 +65,7 @@ class SpeculationStats:
 
 
 class NgramLookup:
+    # Proposals are certain (a point mass), so sampling keeps a guess with the target's own probability.
     """Where each n-gram of a growing token list last occurred, so a guess costs a few dict reads."""
 
     def __init__(self, tokens: list[int]):
@@ -77,39 +86,42 @@ class NgramLookup:
         return []
 
 
-def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, do_sample: bool = False, *,
-             num_draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, do_sample: bool = False,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
              attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+             *, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: Any = None, seed: Any = None,
              logits_processors: Sequence[LogitsProcessor] | None = None,
              on_token: Callable[[loop.TokenEvent], Any] | None = None, ignore_output: bool = False,
-             stats: SpeculationStats | None = None, seed: Any = None, **plain: Any) -> torch.Tensor | None:
-    """`loop.generate(model, x, max_new_tokens, do_sample=False, ...)`'s result, by prompt lookup.
+             stats: SpeculationStats | None = None) -> torch.Tensor | None:
+    """`loop.generate(model, x, ...)`'s result (greedy: the same tokens; sampling: the same distribution),
+    guessing up to `num_draft_tokens` a pass by prompt lookup, or with `draft_model` (same tokenizer).
 
     `stats`, if given, is filled in. With a batch, `on_token` is called after every row is done, with
     the steps replayed in batch shape (a row's stop still stops it; what it computed past that is dropped).
     """
     num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
-    if do_sample:
-        raise ValueError("prompt lookup decodes greedily; pass do_sample=False")
     stats = stats if stats is not None else SpeculationStats()
     mask = loop._validate_inputs(x, max_new_tokens, attention_mask)
     batch, width = x.shape
-    if width + max_new_tokens > model.config.max_position_embeddings or plain.get("use_cache") is False:
-        stats.enabled = False
-        return loop.generate(model, x, max_new_tokens, False, attention_mask=attention_mask, eos_token_id=eos_token_id,
-                             pad_token_id=pad_token_id, logits_processors=logits_processors, on_token=on_token,
-                             ignore_output=ignore_output, **plain)
-    chain = make_processor_chain(False, 1.0, None, None, logits_processors)
+    note = _why_not(model, draft_model, width + max_new_tokens, use_cache, logits_processors)
+    if note is not None:
+        stats.enabled, stats.note = False, note
+        return loop.generate(model, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
+                             attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             seed=seed, logits_processors=logits_processors, on_token=on_token,
+                             ignore_output=ignore_output)
+    chain = make_processor_chain(do_sample, temperature, top_k, top_p, logits_processors)
     eos = eos_id_list(eos_token_id)
     if pad_token_id is None:
         pad_token_id = eos[0] if eos else 0
+    generators = row_generators(seed, batch, model.device) if do_sample else [None] * batch
     keep_logits = on_token is not None and batch > 1
     live = on_token if batch == 1 else None
     rows = [_Row(model, x[i].to(model.device), mask[i].to(model.device), i, batch, max_new_tokens, num_draft_tokens,
-                 chain, eos, stats, keep_logits, live)
+                 chain, eos, stats, keep_logits, live, generators[i])
             for i in range(batch)]
     for row in rows:
-        row.run()
+        row.run(draft_model)
     if on_token is not None and batch > 1:
         _replay(rows, on_token, pad_token_id, model.device)
     if ignore_output:
@@ -122,17 +134,34 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
     return ids
 
 
+def _why_not(model: Any, draft_model: Any, total: int, use_cache: bool,
+             processors: Sequence[LogitsProcessor] | None) -> str | None:
+    """Why speculation is switched off for this call (None: it is on)."""
+    if not use_cache:
+        return "speculation needs the cache (use_cache=False)"
+    if total > model.config.max_position_embeddings:
+        return "the text would pass the model's context, where decoding reads a sliding view without a cache"
+    if draft_model is not None and not fits(draft_model, total):
+        return f"the text would pass the draft model's context ({draft_model.config.max_position_embeddings})"
+    if any(getattr(p, "follows_text_step_by_step", False) or type(p).__name__ == "ConstraintMask"
+           for p in processors or ()):
+        return "a structured-output constraint follows the text one token at a time"
+    return None
+
+
 class _Row:
     """One row's speculative decode, in the slot layout of the plain loop (left pads kept, masked out)."""
 
     def __init__(self, model: loop.SlotModel[Any], ids: torch.Tensor, mask: torch.Tensor, index: int, batch: int,
                  max_new_tokens: int, max_draft: int, chain: Any, eos: list[int], stats: SpeculationStats,
-                 keep_logits: bool, on_token: Callable[[loop.TokenEvent], Any] | None):
+                 keep_logits: bool, on_token: Callable[[loop.TokenEvent], Any] | None,
+                 generator: torch.Generator | None):
         self.model, self.index, self.batch = model, index, batch
         self.width = ids.shape[0]
         self.total = self.width + max_new_tokens
         self.max_new_tokens, self.max_draft = max_new_tokens, max_draft
         self.chain, self.eos, self.stats = chain, set(eos), stats
+        self.generator = generator  # the row's own random stream (None: greedy)
         self.ids = torch.zeros((1, self.total), dtype=torch.long, device=ids.device)  # (1, L)
         self.ids[0, :self.width] = ids
         self.slot_is_token = torch.ones((1, self.total), dtype=torch.bool, device=ids.device)  # (1, L)
@@ -146,54 +175,99 @@ class _Row:
         self.keep_logits = keep_logits
         self.on_token = on_token
 
-    def run(self) -> None:
+    def run(self, draft_model: Any = None) -> None:
         model, device = self.model, self.ids.device
         cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
-        lookup = NgramLookup(self.tokens)
         positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
-        length, cached, k = self.width, 0, self.max_draft
-        while True:
+        vocab = model.config.vocab_size
+        draft = DraftProposer(draft_model, self.tokens, len(self.tokens) + self.max_new_tokens, self.max_draft,
+                              vocab) if draft_model is not None else None
+        lookup = NgramLookup(self.tokens)
+        # The prompt in one pass, as the plain loop feeds it; its last logits give the first token.
+        logits = model.forward_slots(self.ids[:, :self.width], positions[:, :self.width],
+                                     torch.arange(self.width, device=device), self.slot_is_token, cache,
+                                     last_only=True)[0, -1:].float()  # (1, V)
+        self.stats.passes += 1
+        token = self._pick(self.width, logits[0])[0]
+        self.ids[0, self.width] = token
+        if self._emit(token, logits[0]):
+            return
+        length, k = self.width + 1, self.max_draft
+        while len(self.new_tokens) < self.max_new_tokens:
             room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
-            guess = lookup.propose(min(k, room - 1)) if room > 1 else []
+            want = min(k, room - 1)
+            dists: list[torch.Tensor] | None = None
+            if want <= 0:
+                guess: list[int] = []
+            elif draft is not None:
+                guess, dists = draft.propose(want, lambda j, raw: self._pick(length + j, raw, write=True))
+            else:
+                guess = lookup.propose(want)
             end = length + len(guess)
             self.ids[0, length:end] = torch.tensor(guess, dtype=torch.long)
-            # What the cache lacks (the whole prompt first, as the plain loop feeds it), then the guesses.
-            logits = model.forward_slots(self.ids[:, cached:end], positions[:, cached:end],
-                                         torch.arange(cached, end, device=device), self.slot_is_token, cache,
-                                         last_only=not guess)[0, -1 - len(guess):].float()  # (1 + len(guess), V)
+            # The newest token, then the guesses, each query as a one-token step would compute it.
+            logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],  # type: ignore[call-arg]
+                                         torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
+                                         last_only=not guess, each_query_alone=bool(guess))[0, -1 - len(guess):]
+            logits = logits.float()  # (1 + len(guess), V)
             self.stats.passes += 1
             self.stats.drafted += len(guess)
-            taken = 0
-            stop = False
+            taken, stop = 0, False
             for j in range(len(guess) + 1):
-                token = self._choose(length + j, logits[j])
+                if j < len(guess):
+                    token, kept = self._check(length + j, logits[j], guess[j], dists[j] if dists else None)
+                else:
+                    token, kept = self._pick(length + j, logits[j])[0], False
                 stop = self._emit(token, logits[j])
-                if j < len(guess) and token == guess[j] and not stop:
+                if kept and not stop:
                     taken += 1
                     continue
                 self.ids[0, length + j] = token
                 break
             self.stats.accepted += taken
             length += taken + 1
-            # The cache holds the last token and every guess; keep only the guesses taken.
-            trimmed = cache.trim(len(guess) - taken)
-            if trimmed != len(guess) - taken:  # never: the ring keeps max_draft spare slots
-                raise RuntimeError(f"the cache could trim {trimmed} of {len(guess) - taken} rejected tokens")
-            cached = length - 1
+            # The cache holds the newest token and every guess; keep only the guesses taken.
+            rejected = len(guess) - taken
+            if cache.trim(rejected) != rejected:  # never: the ring keeps max_draft spare slots
+                raise RuntimeError(f"the cache could not trim {rejected} rejected tokens")
+            if draft is not None:
+                draft.keep()
             if guess:
                 k = min(self.max_draft, 2 * k) if taken == len(guess) else taken + 1
-            if stop or len(self.new_tokens) >= self.max_new_tokens:
-                return
+            if stop:
+                break
+        if draft is not None:
+            self.stats.draft_passes += draft.passes
 
-    def _choose(self, length: int, logits: torch.Tensor) -> int:
-        """The plain loop's greedy choice with the text's first `length` columns before it."""
+    def _scores(self, length: int, logits: torch.Tensor) -> torch.Tensor:
+        """The processed scores [V] at a position with the text's first `length` columns before it."""
         context = self.ids[:, :length] if self.chain.needs_history else self.ids[:, :0]
         if self.batch > 1:  # processors may keep per-row settings: give them the whole batch's shape
             context = context.expand(self.batch, -1)
-            scores = self.chain(context, logits.expand(self.batch, -1).clone())[self.index]
+            return self.chain(context, logits.expand(self.batch, -1).clone())[self.index]
+        return self.chain(context, logits[None].clone())[0]
+
+    def _pick(self, length: int, logits: torch.Tensor, write: bool = False) -> tuple[int, torch.Tensor | None]:
+        """The token plain decoding chooses at a position (argmax, or a draw from the row's stream), and
+        the probabilities it was drawn from (None: greedy). `write`: put it in the text (a draft's guess)."""
+        scores = self._scores(length, logits)
+        if self.generator is None:
+            token, probs = int(scores.argmax()), None
         else:
-            scores = self.chain(context, logits[None].clone())[0]
-        return int(scores.argmax())
+            probs = torch.softmax(scores.float(), dim=-1)
+            token = draw(probs, self.generator)
+        if write:
+            self.ids[0, length] = token
+        return token, probs
+
+    def _check(self, length: int, logits: torch.Tensor, guess: int, q: torch.Tensor | None) -> tuple[int, bool]:
+        """The token at a guessed position and whether it is the guess (greedy: the argmax is; sampling:
+        the acceptance rule against the guess's proposal q, None for a certain one)."""
+        if self.generator is None:
+            token = int(self._scores(length, logits).argmax())
+            return token, token == guess
+        p = torch.softmax(self._scores(length, logits).float(), dim=-1)
+        return accept_or_resample(p, guess, q, self.generator)
 
     def _emit(self, token: int, logits: torch.Tensor) -> bool:
         """Record a new token; True when the row ends with it."""

@@ -143,17 +143,22 @@ class BaseModel(WeightCounting, nn.Module):
         slot_is_token: torch.Tensor,  # [B, S_total] False for pad columns
         cache: ModelCache | None = None,
         last_only: bool = False,
+        each_query_alone: bool = False,
     ) -> torch.Tensor:
-        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`."""
+        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`.
+
+        `each_query_alone`: every query's logits exactly as a one-token step gives them (a speculative
+        verify pass; with batch-invariant attention it then makes a call per query: row_attention.py)."""
         compiled = self._compiled_decode
         if compiled is not None and cache is not None and input_ids.shape[1] == 1:
             return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache, last_only)
         slot_end = int(query_slots[-1]) + 1 if cache is not None else None  # one host sync per call
-        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
+        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only,
+                                   each_query_alone)
 
     def _forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                        slot_is_token: torch.Tensor, cache: ModelCache | None, slot_end: int | None,
-                       last_only: bool) -> torch.Tensor:
+                       last_only: bool, each_query_alone: bool = False) -> torch.Tensor:
         """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles."""
         config = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
@@ -162,7 +167,7 @@ class BaseModel(WeightCounting, nn.Module):
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
         inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
-                                 by_row=self.batch_invariant)
+                                 by_row=self.batch_invariant, each_query_alone=each_query_alone)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:
@@ -256,14 +261,21 @@ class BaseModel(WeightCounting, nn.Module):
         """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode.
 
         A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s;
-        `prompt_lookup=K` decodes the same greedy tokens by prompt lookup, guessing up to K tokens a pass
-        (`lmcli.generation.speculative.generate`, which also takes `stats=`).
+        `prompt_lookup=K` decodes speculatively by prompt lookup, guessing up to K tokens a pass, and
+        `draft_model=` (a model with the same tokenizer, `num_draft_tokens=` its K) with a draft: the same
+        greedy tokens, or the same sampling distribution (`lmcli.generation.speculative.generate`,
+        which also takes `stats=`).
         """
-        draft = kwargs.pop("prompt_lookup", None)
-        if draft is not None:
+        lookup = kwargs.pop("prompt_lookup", None)
+        if lookup is not None or kwargs.get("draft_model") is not None:
             from lmcli.generation import speculative
 
-            return speculative.generate(self, *args, num_draft_tokens=draft, **kwargs)
+            if lookup is not None:
+                if kwargs.get("draft_model") is not None or "num_draft_tokens" in kwargs:
+                    raise ValueError("prompt_lookup=K is its own num_draft_tokens and takes no draft_model")
+                kwargs["num_draft_tokens"] = lookup
+            return speculative.generate(self, *args, **kwargs)
+        kwargs.pop("draft_model", None)
         return loop.generate(self, *args, **kwargs)
 
     @property

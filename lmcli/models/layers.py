@@ -110,6 +110,7 @@ class AttentionInputs:
     # Batch-invariant attention (models/row_attention.py): layer type -> which keys each query reads.
     by_row: bool = False
     row_plans: dict[str, list] = field(default_factory=dict)
+    each_query_alone: bool = False  # a speculative verify pass: see row_attention.row_plans
 
 
 class Attention(nn.Module):
@@ -196,7 +197,8 @@ class Attention(nn.Module):
         if plans is None:
             one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None
             plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots, inputs.slot_is_token,
-                                                                  self.window, q.dtype, one_call)
+                                                                  self.window, q.dtype, one_call,
+                                                                  inputs.each_query_alone)
         rep = self.num_heads // self.num_kv_heads
         q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
         out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)

@@ -35,14 +35,20 @@ class RowCall:
 
 
 def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token: torch.Tensor,
-              window: int | None, dtype: torch.dtype, one_call_per_row: bool) -> list[RowCall]:
+              window: int | None, dtype: torch.dtype, one_call_per_row: bool,
+              each_query_alone: bool = False) -> list[RowCall]:
     """The calls that attend every real query of every row: key_slots [S] (-1: empty), query_slots [T],
     slot_is_token [B, S_total]. Shared by the layers of one type (they have the same key slots).
 
     `one_call_per_row` (bfloat16, no window): all of a row's queries in one call on its keys from its
     first one, padded with masked keys to a multiple of KEY_BLOCK; measured on torch's CPU kernel, a
     query's output is then the same whatever the number of queries or of padded keys in the call
-    (not so at other key counts, nor in float32). Otherwise one call per query, on exactly its keys."""
+    (not so at other key counts, nor in float32). Otherwise one call per query, on exactly its keys.
+
+    `each_query_alone` (a speculative verify pass): in the one-call form, each query gets the call a
+    one-token step would make for it. torch's bfloat16 kernel does not give a query the same numbers
+    whatever the number of queries in its call: measured on this CPU (torch 2.13, AVX512, head dim
+    64), 1-2% of queries differ by a rounding step between a call of 2-9 queries and one alone."""
     slots = key_slots.cpu()
     queries = query_slots.cpu()
     is_token = slot_is_token.cpu()
@@ -56,13 +62,14 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
         if not real:
             continue
         if one_call_per_row:
-            end = int(torch.searchsorted(ordered, queries[real].max(), right=True))
-            padded = -(-end // KEY_BLOCK) * KEY_BLOCK
-            key_slot = torch.full((padded,), torch.iinfo(torch.long).max)
-            key_slot[:end] = ordered[:end]
-            allowed = key_slot[None, :] <= queries[real][:, None]  # (Q, padded): causal; padding never
-            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-            calls.append(RowCall(row, real, index[:end].to(key_slots.device), mask.to(key_slots.device)))
+            for group in ([[t] for t in real] if each_query_alone else [real]):
+                end = int(torch.searchsorted(ordered, queries[group].max(), right=True))
+                padded = -(-end // KEY_BLOCK) * KEY_BLOCK
+                key_slot = torch.full((padded,), torch.iinfo(torch.long).max)
+                key_slot[:end] = ordered[:end]
+                allowed = key_slot[None, :] <= queries[group][:, None]  # (Q, padded): causal; padding never
+                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+                calls.append(RowCall(row, group, index[:end].to(key_slots.device), mask.to(key_slots.device)))
             continue
         for t in real:
             q = int(queries[t])
