@@ -183,9 +183,16 @@ class ChatSession:
                 return ended
 
             nonlocal cached_after
+            speculator = getattr(self.model, "speculator", None)  # lmcli.speculation.SpeculatingModel
             with torch.inference_mode():
-                if self._cache is None:
-                    self._cache = self.model.init_cache(1, self.context)
+                if self._cache is None:  # speculation trims rejected guesses: rings keep room for that
+                    rollback = {"rollback": speculator.request.num_draft_tokens} if speculator else {}
+                    self._cache = self.model.init_cache(1, self.context, **rollback)
+                if speculator is not None:
+                    speculator.run(x, on_token=on_token_or_stop, ignore_output=True, cache=self._cache,
+                                   cached=reused, **kwargs)
+                    cached_after = speculator.stats.cached
+                    return
                 _, cached_after = generate_from_cache(
                     self.model, x, on_token=on_token_or_stop, ignore_output=True, cache=self._cache,
                     cached=reused, **kwargs,

@@ -130,6 +130,17 @@ DeviceOption = Annotated[Device, typer.Option("--device", metavar=_one_of(Device
 DTypeOption = Annotated[DType, typer.Option(
     "--dtype", metavar=_one_of(DType), rich_help_panel=MODEL_PANEL,
     help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")]
+# Speculative decoding (lmcli.speculation): generate and chat.
+PromptLookupOption = Annotated[bool, _switch(
+    "--prompt-lookup", "Guess tokens from earlier text and verify them in one pass (greedy: the same output; "
+    "sampling: the same distribution; faster on text that repeats its input).", OUTPUT_PANEL)]
+DraftModelOption = Annotated[str | None, _option(
+    "PATH|NAME", "Guess tokens with this smaller model (same tokenizer), verified as --prompt-lookup's.",
+    panel=OUTPUT_PANEL)]
+DraftQuantizeOption = Annotated[Quantize | None, _option(
+    _one_of(Quantize), "Load --draft-model quantized so (as --quantize does the model).", panel=OUTPUT_PANEL)]
+NumDraftTokensOption = Annotated[int | None, _option(
+    "K", "With --prompt-lookup or --draft-model, guess at most K tokens a pass (default 8).", panel=OUTPUT_PANEL)]
 QuantizeOption = Annotated[Quantize | None, _option(
     _one_of(Quantize), "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
                        "Default: a GGUF file's own quantization, other checkpoints as stored.",
@@ -327,11 +338,10 @@ def generate(
         "--stats", "Print tokens, tokens/s and the stop reason on stderr (always shown in a terminal).",
         OUTPUT_PANEL)] = False,
     color_probs: ColorProbsOption = False,
-    prompt_lookup: Annotated[bool, _switch(
-        "--prompt-lookup", "Greedy only: guess tokens from earlier text and verify them in one pass (same output, "
-        "faster on text that repeats its input).", OUTPUT_PANEL)] = False,
-    num_draft_tokens: Annotated[int | None, _option(
-        "K", "With --prompt-lookup, guess at most K tokens a pass (default 8).", panel=OUTPUT_PANEL)] = None,
+    prompt_lookup: PromptLookupOption = False,
+    draft_model: DraftModelOption = None,
+    draft_quantize: DraftQuantizeOption = None,
+    num_draft_tokens: NumDraftTokensOption = None,
     input_path: Annotated[Path | None, _option(
         "FILE", "Run a batch job: a .jsonl file (one object with 'prompt' per line) or text (one prompt per line).",
         "--input", panel=JOBS_PANEL, exists=True, dir_okay=False)] = None,
@@ -362,9 +372,10 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
-    from lmcli import runs
+    from lmcli import runs, speculation
 
-    lookup = runs.prompt_lookup_draft(prompt_lookup, num_draft_tokens, input_path)
+    speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
+                                       draft_quantize.value if draft_quantize is not None else None)
     settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
     resolved = _resolve(checkpoint, model, tokenizer)
     # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
@@ -375,7 +386,7 @@ def generate(
                                          compile_decode=compile_decode)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
-        return loaded, loaded_tokenizer
+        return speculation.wrap_loaded(speculate, (loaded, loaded_tokenizer), resolved)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -385,10 +396,12 @@ def generate(
             with _exit_when_stopped():
                 runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
                              resolved.identity, tp)
+            runs.speculation_summary(stats)
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():
-            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs, lookup)
+            runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
+            runs.speculation_summary(stats or sys.stdout.isatty())
 
 
 @contextlib.contextmanager
@@ -471,6 +484,10 @@ def chat(
     color_probs: ColorProbsOption = False,
     stats: Annotated[bool, _switch(
         "--stats", "After each reply, print tokens, tokens/s and the prefill count on stderr.", OUTPUT_PANEL)] = False,
+    prompt_lookup: PromptLookupOption = False,
+    draft_model: DraftModelOption = None,
+    draft_quantize: DraftQuantizeOption = None,
+    num_draft_tokens: NumDraftTokensOption = None,
 ) -> None:
     """Talk with the model: a conversation over the checkpoint's chat template.
 
@@ -480,9 +497,12 @@ def chat(
 
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
+    from lmcli import speculation
     from lmcli.chat import ChatOptions, run_chat
 
     _use_threads(threads)
+    speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
+                                       draft_quantize.value if draft_quantize is not None else None)
     settings = _settings_from_flags(decoding, chat=True, system=system)
     resolved = _resolve(checkpoint, model)
     settings = settings.with_model_defaults(resolved.defaults)
@@ -491,7 +511,8 @@ def chat(
         explicit=frozenset(_explicit_settings(ctx)),
     )
     try:
-        run_chat(lambda: _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode),
+        run_chat(lambda: speculation.wrap_loaded(
+            speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode), resolved),
                  settings, options, resolved)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
         sys.stderr.write("\ninterrupted\n")

@@ -50,10 +50,7 @@ def utf8_text(raw: bytes, what: str) -> str:
         return raw.decode("utf-8", errors="replace")
 
 
-def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_probs: bool = False,
-                 prompt_lookup: int | None = None) -> None:
-    """`prompt_lookup`: decode by prompt lookup guessing up to that many tokens a pass (None: plainly)."""
-    import functools
+def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_probs: bool = False) -> None:
     """One prompt: its completion streamed (text), or one JSON line (`jsonl`); then the summary."""
     from lmcli.console import (
         PlainOutput,
@@ -96,16 +93,8 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
             else:
                 output.write(piece)
 
-    run, speculation = None, None
-    if prompt_lookup is not None:
-        if getattr(model.config, "is_encoder_decoder", False):
-            raise UsageError("--prompt-lookup works with decoder-only models; this one is an encoder-decoder")
-        from lmcli.generation.speculative import SpeculationStats
-
-        speculation = SpeculationStats()
-        run = functools.partial(model.generate, prompt_lookup=prompt_lookup, stats=speculation)
     try:
-        [result] = generate_batch(model, tokenizer, [row], on_text=on_text, run=run)
+        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
     except KeyboardInterrupt:
         if output is not None:
             output.end()
@@ -121,9 +110,6 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         output.end()
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
-        if speculation is not None:
-            print_dim(f"prompt lookup: {speculation.drafted} drafted, {speculation.accepted} accepted "
-                      f"({speculation.acceptance:.0%}), {speculation.passes} model passes")
 
 
 def run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:
@@ -160,17 +146,11 @@ def run_job(input_path, output_path, settings, load, batch_size, resume, overwri
                          + ("that row" if report.failed == 1 else "those rows"))
 
 
-def prompt_lookup_draft(enabled: bool, num_draft_tokens: int | None, input_path: Any) -> int | None:
-    """--prompt-lookup's K (None: off), checked by the speculative module's own rule."""
-    if not enabled:
-        if num_draft_tokens is not None:
-            raise UsageError("--num-draft-tokens needs --prompt-lookup")
-        return None
-    if input_path is not None:
-        raise UsageError("--prompt-lookup is not supported with --input yet")
-    from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, check_num_draft_tokens
+def speculation_summary(shown: bool) -> None:
+    """What speculation did (--stats, or a terminal), on stderr after the run's own summary."""
+    from lmcli import speculation
 
-    try:
-        return check_num_draft_tokens(DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens)
-    except ValueError as exc:
-        raise UsageError("--" + str(exc).replace("_", "-")) from None
+    if shown and speculation.LOADED:
+        from lmcli.console import print_dim
+
+        print_dim(speculation.LOADED[-1].summary())

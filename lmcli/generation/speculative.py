@@ -23,6 +23,7 @@ speculation is off and the plain loop runs; `SpeculationStats.note` says why.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,7 @@ class SpeculationStats:
     draft_passes: int = 0
     enabled: bool = True  # False where speculation was switched off (see the module docstring)
     note: str | None = None  # why it was
+    cached: int = 0  # with a given cache: the columns it holds after the call
 
     @property
     def acceptance(self) -> float:
@@ -92,13 +94,18 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
              *, num_draft_tokens: int = DEFAULT_DRAFT_TOKENS, draft_model: Any = None, seed: Any = None,
              logits_processors: Sequence[LogitsProcessor] | None = None,
              on_token: Callable[[loop.TokenEvent], Any] | None = None, ignore_output: bool = False,
-             stats: SpeculationStats | None = None) -> torch.Tensor | None:
+             stats: SpeculationStats | None = None, cache: Any = None, cached: int = 0) -> torch.Tensor | None:
     """`loop.generate(model, x, ...)`'s result (greedy: the same tokens; sampling: the same distribution),
     guessing up to `num_draft_tokens` a pass by prompt lookup, or with `draft_model` (same tokenizer).
 
     `stats`, if given, is filled in. With a batch, `on_token` is called after every row is done, with
     the steps replayed in batch shape (a row's stop still stops it; what it computed past that is dropped).
+
+    `cache` (one row, made with `rollback=num_draft_tokens`) already holds x's first `cached` columns, as
+    loop.generate_from_cache takes it (a chat); afterwards `stats.cached` says how many it holds.
     """
+    if cache is not None and (x.shape[0] != 1 or not 0 <= cached < x.shape[1]):
+        raise ValueError("a given cache takes one row, and cached must be less than its prompt's length")
     num_draft_tokens = check_num_draft_tokens(num_draft_tokens)
     stats = stats if stats is not None else SpeculationStats()
     mask = loop._validate_inputs(x, max_new_tokens, attention_mask)
@@ -106,10 +113,11 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
     note = _why_not(model, draft_model, width + max_new_tokens, use_cache, logits_processors)
     if note is not None:
         stats.enabled, stats.note = False, note
-        return loop.generate(model, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
-                             attention_mask=attention_mask, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             seed=seed, logits_processors=logits_processors, on_token=on_token,
-                             ignore_output=ignore_output)
+        ids, stats.cached = loop.generate_from_cache(
+            model, x, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache, attention_mask=attention_mask,
+            eos_token_id=eos_token_id, pad_token_id=pad_token_id, seed=seed, logits_processors=logits_processors,
+            on_token=on_token, ignore_output=ignore_output, cache=cache, cached=cached)
+        return None if ignore_output else ids
     chain = make_processor_chain(do_sample, temperature, top_k, top_p, logits_processors)
     eos = eos_id_list(eos_token_id)
     if pad_token_id is None:
@@ -121,7 +129,7 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
                  chain, eos, stats, keep_logits, live, generators[i])
             for i in range(batch)]
     for row in rows:
-        row.run(draft_model)
+        stats.cached = row.run(draft_model, cache, cached)
     if on_token is not None and batch > 1:
         _replay(rows, on_token, pad_token_id, model.device)
     if ignore_output:
@@ -175,23 +183,25 @@ class _Row:
         self.keep_logits = keep_logits
         self.on_token = on_token
 
-    def run(self, draft_model: Any = None) -> None:
+    def run(self, draft_model: Any = None, cache: Any = None, cached: int = 0) -> int:
+        """Decode the row; returns how many leading columns of its text the cache holds."""
         model, device = self.model, self.ids.device
-        cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
+        if cache is None:
+            cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
         positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
         vocab = model.config.vocab_size
         draft = DraftProposer(draft_model, self.tokens, len(self.tokens) + self.max_new_tokens, self.max_draft,
                               vocab) if draft_model is not None else None
         lookup = NgramLookup(self.tokens)
         # The prompt in one pass, as the plain loop feeds it; its last logits give the first token.
-        logits = model.forward_slots(self.ids[:, :self.width], positions[:, :self.width],
-                                     torch.arange(self.width, device=device), self.slot_is_token, cache,
+        logits = model.forward_slots(self.ids[:, cached:self.width], positions[:, cached:self.width],
+                                     torch.arange(cached, self.width, device=device), self.slot_is_token, cache,
                                      last_only=True)[0, -1:].float()  # (1, V)
         self.stats.passes += 1
         token = self._pick(self.width, logits[0])[0]
         self.ids[0, self.width] = token
         if self._emit(token, logits[0]):
-            return
+            return self.width
         length, k = self.width + 1, self.max_draft
         while len(self.new_tokens) < self.max_new_tokens:
             room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
@@ -200,7 +210,7 @@ class _Row:
             if want <= 0:
                 guess: list[int] = []
             elif draft is not None:
-                guess, dists = draft.propose(want, lambda j, raw: self._pick(length + j, raw, write=True))
+                guess, dists = draft.propose(want, functools.partial(self._pick_guess, length))
             else:
                 guess = lookup.propose(want)
             end = length + len(guess)
@@ -238,6 +248,7 @@ class _Row:
                 break
         if draft is not None:
             self.stats.draft_passes += draft.passes
+        return length - 1  # the newest token is fed with the next pass
 
     def _scores(self, length: int, logits: torch.Tensor) -> torch.Tensor:
         """The processed scores [V] at a position with the text's first `length` columns before it."""
@@ -259,6 +270,10 @@ class _Row:
         if write:
             self.ids[0, length] = token
         return token, probs
+
+    def _pick_guess(self, length: int, j: int, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft's j-th guess after the text's first `length` columns, written into the text."""
+        return self._pick(length + j, logits, write=True)
 
     def _check(self, length: int, logits: torch.Tensor, guess: int, q: torch.Tensor | None) -> tuple[int, bool]:
         """The token at a guessed position and whether it is the guess (greedy: the argmax is; sampling:

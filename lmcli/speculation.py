@@ -1,0 +1,125 @@
+"""Speculative decoding as the commands use it (generate, --chat, lmcli chat, jobs): the flags' one
+check, the draft model loaded and checked against the target's tokenizer, and the `run` that a
+generate_batch call takes in place of model.generate (lmcli.generation.speculative does the work).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lmcli.errors import UsageError
+
+
+@dataclass(frozen=True)
+class SpeculationRequest:
+    """What the flags ask for: prompt lookup (draft None) or a draft model, guessing up to K tokens a pass."""
+
+    num_draft_tokens: int
+    draft: str | None = None  # --draft-model PATH|NAME
+    draft_quantize: str | None = None
+
+    @property
+    def method(self) -> str:
+        return "prompt lookup" if self.draft is None else f"draft model {self.draft}"
+
+
+def from_flags(prompt_lookup: bool, draft_model: str | None, num_draft_tokens: int | None,
+               draft_quantize: str | None = None) -> SpeculationRequest | None:
+    """The flags' one check (None: no speculation); UsageError names the flag that is wrong."""
+    if not prompt_lookup and draft_model is None:
+        for flag, value in (("--num-draft-tokens", num_draft_tokens), ("--draft-quantize", draft_quantize)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --prompt-lookup or --draft-model")
+        return None
+    if prompt_lookup and draft_model is not None:
+        raise UsageError("--prompt-lookup and --draft-model are two ways to guess tokens: choose one")
+    if draft_quantize is not None and draft_model is None:
+        raise UsageError("--draft-quantize needs --draft-model")
+    from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, check_num_draft_tokens
+
+    try:
+        k = check_num_draft_tokens(DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens)
+    except ValueError as exc:
+        raise UsageError("--" + str(exc).replace("_", "-")) from None
+    return SpeculationRequest(k, draft_model, draft_quantize)
+
+
+LOADED: list[Speculator] = []  # the speculators this process made, newest last: for a command's summary
+
+
+def wrap_loaded(request: SpeculationRequest | None, loaded: tuple[Any, Any], resolved: Any) -> tuple[Any, Any]:
+    """A command's (model, tokenizer), with the model speculating as `request` asks (None: as it is)."""
+    model, tokenizer = loaded
+    if request is None:
+        return model, tokenizer
+    LOADED.append(Speculator(request, model, tokenizer, resolved.described()))
+    return LOADED[-1].wrap(), tokenizer
+
+
+class Speculator:
+    """A request made ready for one target model: the draft loaded (same device and activation dtype)
+    and checked, the stats of every run it makes."""
+
+    def __init__(self, request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str):
+        from lmcli.generation.speculative import SpeculationStats
+
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise UsageError("speculative decoding (--prompt-lookup, --draft-model) works with decoder-only "
+                             "models; this one is an encoder-decoder")
+        self.request, self.model = request, model
+        self.stats = SpeculationStats()
+        self.draft = None if request.draft is None else load_draft(request, model, tokenizer, target_name)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """model.generate's arguments -> model.generate's result, speculatively."""
+        extra: dict[str, Any] = {"stats": self.stats}
+        if self.draft is None:
+            extra["prompt_lookup"] = self.request.num_draft_tokens
+        else:
+            extra.update(draft_model=self.draft, num_draft_tokens=self.request.num_draft_tokens)
+        return self.model.generate(*args, **kwargs, **extra)
+
+    def wrap(self) -> SpeculatingModel:
+        """The model, with generate() speculative: what rows and jobs take without knowing of it."""
+        return SpeculatingModel(self)
+
+    def summary(self) -> str:
+        stats = self.stats
+        if not stats.enabled:
+            return f"{self.request.method}: switched off ({stats.note})"
+        draft = f", {stats.draft_passes} draft passes" if self.draft is not None else ""
+        return (f"{self.request.method}: {stats.drafted} drafted, {stats.accepted} accepted "
+                f"({stats.acceptance:.0%}), {stats.passes} model passes{draft}")
+
+
+def load_draft(request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str) -> Any:
+    """The draft model for `model`: on its device, in its activation dtype; UsageError (exit 2) when its
+    tokenizer is not the target's."""
+    import lmcli
+    from lmcli.generation.speculative_draft import DraftMismatch, check_same_tokenizer
+
+    draft, draft_tokenizer = lmcli.load(request.draft, device=model.device, dtype=model.dtype,
+                                        quantize=request.draft_quantize)
+    if getattr(draft.config, "is_encoder_decoder", False):
+        raise UsageError(f"--draft-model {request.draft}: an encoder-decoder cannot draft for a decoder-only model")
+    if draft_tokenizer is None or tokenizer is None:
+        raise UsageError(f"--draft-model {request.draft}: both models need a tokenizer to compare")
+    try:
+        check_same_tokenizer(tokenizer, draft_tokenizer, target_name, str(request.draft))
+    except DraftMismatch as exc:
+        raise UsageError(str(exc)) from None
+    return draft
+
+
+class SpeculatingModel:
+    """A model whose generate() is its Speculator's run; everything else is the model's own."""
+
+    def __init__(self, speculator: Speculator):
+        self.speculator = speculator
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.speculator.model, name)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.speculator.run(*args, **kwargs)
