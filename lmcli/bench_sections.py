@@ -18,6 +18,7 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "speculative": "lmcli.bench_speculative",
 }
 DEFAULT_SECTIONS = ("engines",)
 

@@ -109,7 +109,19 @@ def load_draft(request: SpeculationRequest, model: Any, tokenizer: Any, target_n
         check_same_tokenizer(tokenizer, draft_tokenizer, target_name, str(request.draft))
     except DraftMismatch as exc:
         raise UsageError(str(exc)) from None
+    draft_size, target_size = _weight_bytes(draft), _weight_bytes(model)
+    if draft_size >= target_size:  # a pass of the draft then costs about what it saves
+        import sys
+
+        sys.stderr.write(f"warning: the draft model {request.draft} reads {draft_size >> 20} MiB of weights a token, "
+                         f"no less than the model's {target_size >> 20} MiB: speculation will be slower\n")
     return draft
+
+
+def _weight_bytes(model: Any) -> int:
+    """What a pass reads: parameters and buffers (quantized weights are buffers)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class SpeculatingModel:

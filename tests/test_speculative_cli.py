@@ -27,6 +27,7 @@ def test_generate_with_a_draft_model_prints_plain_greedy_text_and_its_stats(tiny
     assert got.stdout == expected.stdout and got.stdout.strip()
     assert re.search(rf"draft model {re.escape(str(tiny_draft))}: [1-9]\d* drafted, \d+ accepted .* draft passes",
                      got.stderr)
+    assert "no less than the model's" in got.stderr  # as big as the target: speculation will not pay
 
 
 def test_bad_speculation_flags_get_one_line_and_exit_2(tiny_checkpoint, tiny_spm_checkpoint):
@@ -71,3 +72,25 @@ def test_chat_with_prompt_lookup_replies_as_plain_greedy(tiny_checkpoint):
     got = cli(*flags, "--prompt-lookup", "--num-draft-tokens", 4, input=messages)
     assert expected.exit_code == got.exit_code == 0, got.stderr
     assert got.stdout == expected.stdout and got.stdout.strip()
+
+
+def test_the_bench_section_compares_each_method_with_plain_greedy(tiny_checkpoint):
+    import io
+
+    from rich.console import Console
+
+    import lmcli
+    from lmcli import bench_sections, bench_speculative
+
+    assert bench_sections.SECTIONS["speculative"] == "lmcli.bench_speculative"
+    model, tokenizer = lmcli.load(tiny_checkpoint)
+    methods = {"plain": (model, {}), "prompt lookup": (model, {"prompt_lookup": 4})}
+    rows = bench_speculative._measure_model("tiny", model, tokenizer, methods, 12, 1, lambda _: None, quick=True)
+    assert [(r["kind"], r["method"]) for r in rows] == [(kind, m) for kind in ("grounded", "grounded", "open-ended")
+                                                        for m in methods]
+    assert all(r["same_text"] and r["tokens"] > 0 and r["tok_s"] > 0 for r in rows)
+    assert sum(r["drafted"] for r in rows if r["method"] == "prompt lookup") > 0
+    out = io.StringIO()
+    bench_speculative.report({"new_tokens": 12, "num_draft_tokens": 4, "rows": rows, "notes": ["n"]},
+                             Console(file=out, width=200))
+    assert "prompt lookup" in out.getvalue() and "NO" not in out.getvalue()
