@@ -223,6 +223,9 @@ class ChatRepl:
         view.end(turn.reply, turn.interrupted)
         if self.options.stats:
             self.note(_turn_summary(turn))
+            speculator = getattr(self.session.model, "speculator", None)  # lmcli.speculation: the chat's totals
+            if speculator is not None:
+                self.note(speculator.summary())
         if view.terminal:
             self.out.print()  # a blank line before the next prompt
 

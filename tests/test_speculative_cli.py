@@ -10,6 +10,8 @@ import pytest
 from cli_fixtures import build_tiny_checkpoint, tiny_checkpoint, tiny_spm_checkpoint  # noqa: F401  (fixtures)
 from test_cli import cli
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-op overhead
+
 PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
@@ -67,11 +69,12 @@ def test_a_job_with_prompt_lookup_writes_plain_greedy_rows(tiny_checkpoint, tmp_
 
 def test_chat_with_prompt_lookup_replies_as_plain_greedy(tiny_checkpoint):
     messages = f"{PROMPT}\nSay it again: {PROMPT}\n"
-    flags = ["chat", "-c", tiny_checkpoint, "--greedy", "-n", 16]
+    flags = ["chat", "-c", tiny_checkpoint, "--greedy", "-n", 40]
     expected = cli(*flags, input=messages)
-    got = cli(*flags, "--prompt-lookup", "--num-draft-tokens", 4, input=messages)
+    got = cli(*flags, "--prompt-lookup", "--num-draft-tokens", 4, "--stats", input=messages)
     assert expected.exit_code == got.exit_code == 0, got.stderr
     assert got.stdout == expected.stdout and got.stdout.strip()
+    assert re.search(r"prompt lookup: [1-9]\d* drafted", got.stderr)
 
 
 def test_the_bench_section_compares_each_method_with_plain_greedy(tiny_checkpoint):

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from real_models import smollm2_gguf  # noqa: F401  (a fixture)
 from tiny import left_pad, prompts
 
+import lmcli
 from lmcli.generation import speculative
 from lmcli.generation.speculative_draft import DraftMismatch, check_same_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: per-op overhead
 
 # (target, draft): a draft of another architecture (same vocabulary) agrees now and then, so rows accept
 # ragged numbers of guesses; the target as its own draft agrees always, so guesses are taken whole.
@@ -72,3 +76,17 @@ def test_another_tokenizer_is_named_with_both_models(tmp_path):
     check_same_tokenizer(a, b, "A", "B")  # trained alike: the same tokenizer
     with pytest.raises(DraftMismatch, match=r"the draft model C has another vocabulary .* than A"):
         check_same_tokenizer(a, c, "A", "C")
+
+
+@pytest.mark.full  # minutes on a busy machine: loads the default model twice
+def test_real_default_model_as_the_draft_of_its_int8_self_equals_plain_greedy(smollm2_gguf):
+    target, tokenizer = lmcli.load(smollm2_gguf, quantize="int8")  # twice the bytes a token
+    draft, _ = lmcli.load(smollm2_gguf)  # the file's own int4 weights
+    stats = speculative.SpeculationStats()
+    for prompt in ("Repeat this text exactly: the quick brown fox jumps over the lazy dog.", "Once upon a time"):
+        ids = torch.tensor([tokenizer.encode(prompt)])
+        expected = plain(target, ids, 32)
+        got = target.generate(ids, max_new_tokens=32, do_sample=False, draft_model=draft, num_draft_tokens=4,
+                              stats=stats)
+        assert got.tolist() == expected.tolist(), prompt
+    assert stats.accepted > stats.drafted // 2
