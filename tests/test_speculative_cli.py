@@ -54,7 +54,7 @@ def test_a_job_with_prompt_lookup_writes_plain_greedy_rows(tiny_checkpoint, tmp_
     rows.append({"id": 3, "prompt": "A different text", "max_new_tokens": 7})
     job = tmp_path / "job.jsonl"
     job.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    outputs = []
+    outputs: list[list[tuple]] = []
     for extra in ([], ["--prompt-lookup", "--num-draft-tokens", 4]):
         out = tmp_path / f"out{len(outputs)}.jsonl"
         result = cli("generate", "-c", tiny_checkpoint, "--greedy", "-n", 16, "--input", job, "-o", out,
