@@ -23,12 +23,13 @@ PASSAGE = ("The river rises in the northern hills, runs south through three smal
            "selling their catch at the market by the old stone bridge.")
 CODE = ("def total_price(items, tax_rate):\n    total = 0\n    for item in items:\n        total += item.price * "
         "item.quantity\n    return total * (1 + tax_rate)\n")
-PROMPTS: list[tuple[str, str]] = [  # (kind, prompt)
-    ("grounded", f"Repeat this text exactly, word for word:\n\n{PASSAGE}"),
-    ("grounded", f"Summarise this text in one sentence, using its own words:\n\n{PASSAGE}"),
-    ("grounded", f"Rename the function total_price to order_total in this code and show all of it:\n\n{CODE}"),
-    ("open-ended", "Write a short story about a lighthouse keeper."),
-    ("open-ended", "Give me three ideas for a rainy weekend."),
+PROMPTS: list[tuple[str, str, str]] = [  # (label, kind, prompt)
+    ("repeat", "grounded", f"Repeat this text exactly, word for word:\n\n{PASSAGE}"),
+    ("summarise", "grounded", f"Summarise this text in one sentence, using its own words:\n\n{PASSAGE}"),
+    ("edit code", "grounded", f"Rename the function total_price to order_total in this code and show all of it:"
+                              f"\n\n{CODE}"),
+    ("story", "open-ended", "Write a short story about a lighthouse keeper."),
+    ("ideas", "open-ended", "Give me three ideas for a rainy weekend."),
 ]
 K = 8
 
@@ -56,26 +57,25 @@ def _measure_model(name: str, model: Any, tokenizer: Any, methods: dict[str, tup
     import torch
 
     rows = []
-    for kind, prompt in [PROMPTS[0], PROMPTS[2], PROMPTS[3]] if quick else PROMPTS:
+    for label, kind, prompt in [PROMPTS[0], PROMPTS[2], PROMPTS[3]] if quick else PROMPTS:
         ids = torch.tensor([_encode(tokenizer, prompt)])
         seconds: dict[str, float] = {}
         result: dict[str, Any] = {}
         for _ in range(repeats):
             for method, (target, extra) in methods.items():
-                progress(f"speculative: {name}, {kind} prompt, {method}")
+                progress(f"speculative: {name}, {label} prompt, {method}")
                 took, tokens, stats = _timed(target, ids, new_tokens, tokenizer.eos_token_ids, **dict(extra))
                 seconds[method] = min(seconds.get(method, float("inf")), took)
                 result[method] = (tokens, stats)
-        plain_tokens = {m: result[m][0] for m in methods if not methods[m][1]}
-        for method in methods:
+        for method, (target, _) in methods.items():
             tokens, stats = result[method]
-            base = "plain (int8)" if method.startswith("draft") else "plain"
+            base = next(m for m, (t, e) in methods.items() if t is target and not e)  # plain, same weights
             rows.append({
-                "model": name, "kind": kind, "prompt": prompt[:40], "method": method, "tokens": len(tokens),
+                "model": name, "kind": kind, "prompt": label, "method": method, "tokens": len(tokens),
                 "tok_s": len(tokens) / seconds[method],
                 "speedup": seconds[base] / seconds[method] * len(tokens) / max(1, len(result[base][0])),
                 "drafted": stats.drafted, "accepted": stats.accepted, "passes": stats.passes,
-                "same_text": tokens == plain_tokens.get(base, tokens),
+                "same_text": tokens == result[base][0],
             })
     return rows
 
@@ -91,8 +91,8 @@ def measure(settings: Any, resolved: Any, progress: Callable[[str], None]) -> di
     name = resolved.path.name
     methods: dict[str, tuple[Any, dict]] = {"plain": (model, {}), "prompt lookup": (model, {"prompt_lookup": K})}
     target, _ = lmcli.load(resolved, device=settings.device, quantize="int8")
-    methods["plain (int8)"] = (target, {})
-    methods["draft: int8 target, int4 draft"] = (target, {"draft_model": model, "num_draft_tokens": 4})
+    methods["plain int8"] = (target, {})
+    methods["int8 + int4 draft"] = (target, {"draft_model": model, "num_draft_tokens": 4})
     rows = _measure_model(name, model, tokenizer, methods, new_tokens, repeats, progress, quick)
     del target
     notes = []
@@ -111,15 +111,17 @@ def measure(settings: Any, resolved: Any, progress: Callable[[str], None]) -> di
 def report(result: dict, console: Any) -> None:
     from rich.table import Table
 
-    table = Table(title=f"Speculative decoding, greedy, {result['new_tokens']} new tokens "
-                        f"(K = {result['num_draft_tokens']} for prompt lookup, 4 for the draft)")
-    for column in ("model", "prompt", "kind", "method", "tok/s", "vs plain", "accepted", "passes", "same text"):
-        table.add_column(column, justify="right" if column in ("tok/s", "vs plain", "passes") else "left")
+    table = Table(title=f"Speculative decoding, greedy, {result['new_tokens']} new tokens (K = "
+                        f"{result['num_draft_tokens']} for prompt lookup, 4 for the draft)", title_justify="left")
+    for column in ("model", "prompt", "method", "tok/s", "vs plain", "kept", "passes", "exact"):
+        table.add_column(column, justify="right" if column in ("tok/s", "vs plain", "passes") else "left",
+                         no_wrap=True)
     for row in result["rows"]:
-        accepted = f"{row['accepted']}/{row['drafted']}" if row["drafted"] else "-"
-        table.add_row(row["model"], row["prompt"], row["kind"], row["method"], f"{row['tok_s']:.1f}",
-                      f"{row['speedup']:.2f}x", accepted, str(row["passes"] or "-"),
-                      "yes" if row["same_text"] else "NO")
+        kept = f"{row['accepted']}/{row['drafted']}" if row["drafted"] else "-"
+        table.add_row(row["model"][:14], f"{row['prompt']} ({row['kind']})", row["method"], f"{row['tok_s']:.1f}",
+                      f"{row['speedup']:.2f}x", kept, str(row["passes"] or "-"), "yes" if row["same_text"] else "NO")
     console.print(table)
+    console.print("vs plain: tokens/s against plain greedy on the same weights; exact: the text is its token for token",
+                  style="dim")
     for note in result["notes"]:
         console.print(note, style="dim")

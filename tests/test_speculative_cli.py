@@ -89,8 +89,8 @@ def test_the_bench_section_compares_each_method_with_plain_greedy(tiny_checkpoin
     model, tokenizer = lmcli.load(tiny_checkpoint)
     methods = {"plain": (model, {}), "prompt lookup": (model, {"prompt_lookup": 4})}
     rows = bench_speculative._measure_model("tiny", model, tokenizer, methods, 12, 1, lambda _: None, quick=True)
-    assert [(r["kind"], r["method"]) for r in rows] == [(kind, m) for kind in ("grounded", "grounded", "open-ended")
-                                                        for m in methods]
+    assert [(r["prompt"], r["method"]) for r in rows] == [(label, m) for label in ("repeat", "edit code", "story")
+                                                          for m in methods]
     assert all(r["same_text"] and r["tokens"] > 0 and r["tok_s"] > 0 for r in rows)
     assert sum(r["drafted"] for r in rows if r["method"] == "prompt lookup") > 0
     out = io.StringIO()
