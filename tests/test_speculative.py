@@ -133,3 +133,31 @@ def test_cli_prompt_lookup_prints_plain_greedy_text_and_its_stats(tiny_checkpoin
         assert refused.exit_code == 2 and "--num-draft-tokens must be an integer from 1 to 64" in refused.stderr
     refused = cli(*flags, "--num-draft-tokens", 3, prompt)
     assert refused.exit_code == 2 and "--num-draft-tokens needs --prompt-lookup" in refused.stderr
+
+
+
+@pytest.mark.full  # loads the default model
+def test_a_verify_pass_gives_each_guess_a_one_token_steps_logits(smollm2_gguf):
+    # bfloat16 with batch-invariant attention: one attention call of several queries rounds some of them
+    # differently from a call of one (without each_query_alone, every guess here came out different).
+    from lmcli.generation.loop import positions_from_mask
+
+    model, tokenizer = lmcli.load(smollm2_gguf)
+    ids = torch.tensor([tokenizer.encode(f"Repeat this text exactly: {PASSAGE}\nThe river rises in the northern")])
+    width = ids.shape[1]
+    slot_is_token = torch.ones((1, width + 4), dtype=torch.bool)
+    positions = positions_from_mask(slot_is_token)
+    start = width - 7  # the last 7 tokens play a verify pass's newest token and guesses
+
+    def run(chunked: bool) -> torch.Tensor:
+        cache = model.init_cache(1, width + 4, rollback=8)
+        model.forward_slots(ids[:, :start], positions[:, :start], torch.arange(start), slot_is_token, cache,
+                            last_only=True)
+        if chunked:
+            return model.forward_slots(ids[:, start:], positions[:, start:width], torch.arange(start, width),
+                                       slot_is_token, cache, each_query_alone=True)[0]
+        return torch.cat([model.forward_slots(ids[:, s:s + 1], positions[:, s:s + 1], torch.arange(s, s + 1),
+                                              slot_is_token, cache)[0] for s in range(start, width)])
+
+    with torch.inference_mode():
+        assert torch.equal(run(True), run(False))
