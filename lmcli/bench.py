@@ -178,7 +178,7 @@ def _run_engines(settings: BenchSettings, chosen: Any, progress: Callable[[str],
     from lmcli.loading import resolve_device, resolve_dtype
 
     path = Path(settings.checkpoint or "").resolve()
-    threads = settings.threads or chosen.threads
+    threads = settings.threads  # None: each worker chooses for itself, as lmcli would (llama.cpp: every CPU)
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)
 

@@ -26,10 +26,14 @@ SETTINGS = ["default", "GOMP_SPINCOUNT=300000+OMP_WAIT_POLICY=+OMP_NUM_THREADS=2
 
 
 def _env(settings: str) -> dict[str, str | None]:
-    if settings == "default":
-        return {}
-    changes = dict(part.split("=", 1) for part in settings.split("+"))
-    return {name: value or None for name, value in changes.items()}
+    """The worker's environment changes: what lmcli chose in this process is dropped (so a worker's
+    variables are all the user's, or, for `default`, lmcli chooses afresh in the worker)."""
+    ours = [name for name in os.environ.get(threads.SET_BY_LMCLI_VAR, "").split(",") if name]
+    env: dict[str, str | None] = dict.fromkeys([*ours, threads.SET_BY_LMCLI_VAR])
+    if settings != "default":
+        changes = dict(part.split("=", 1) for part in settings.split("+"))
+        env.update({name: value or None for name, value in changes.items()})
+    return env
 
 
 def main() -> None:
@@ -51,6 +55,7 @@ def main() -> None:
             "dtype": "auto", "threads": None, "context": 32 + args.new_tokens}
     workers = [Worker(settings, spec, env=_env(settings)) for settings in args.settings]
     rates: dict[tuple[str, bool], list[float]] = {}
+    counts: dict[tuple[str, bool], list[int]] = {}  # torch's thread count at the end of each run
     with BackgroundLoad(args.busy) as load:
         try:
             for worker in workers:
@@ -63,17 +68,20 @@ def main() -> None:
                         with Loaded(load if busy else None):
                             reply = worker.ask(request)
                         rates.setdefault((worker.name, busy), []).append(reply.get("decode_tokens_per_s", float("nan")))
+                        counts.setdefault((worker.name, busy), []).append(reply.get("threads", 0))
                 print(f"round {round_ + 1}/{args.rounds} done · load average {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             for worker in workers:
                 worker.stop()
-    print(f"\n| settings | quiet decode tok/s | {args.busy} busy loop(s) decode tok/s |\n|---|---|---|")
+    print(f"\n| settings | quiet decode tok/s | {args.busy} busy loop(s) decode tok/s | threads at the end of each run, "
+          f"quiet / busy |\n|---|---|---|---|")
     for worker in workers:
         if worker.failure:
             print(f"| {worker.name} | {worker.failure} | |")
             continue
         quiet, shared = (statistics.median(rates[(worker.name, b)]) for b in (False, True))
-        print(f"| {worker.name} | {quiet:.1f} | {shared:.1f} |")
+        ends = " / ".join(",".join(map(str, counts[(worker.name, b)])) for b in (False, True))
+        print(f"| {worker.name} | {quiet:.1f} | {shared:.1f} | {ends} |")
 
 
 if __name__ == "__main__":
