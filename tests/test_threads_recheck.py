@@ -230,3 +230,28 @@ def test_proc_readers_see_this_process_work():
     assert busy is not None and after is not None and running is not None
     assert after - busy >= 0.5 * (time.process_time() - own)
     assert running >= machine.own_running_threads() >= 1
+
+
+def test_kernel_plans_are_keyed_by_the_thread_settings_they_were_made_under(tmp_path):
+    """Each fresh process (OpenMP reads its settings when torch loads) files its kernel plan under the
+    thread count torch reports and the wait its environment set, so a plan made under other settings
+    is never reused."""
+    import json
+    import subprocess
+
+    code = ("import json, torch, lmcli; lmcli.load; from lmcli.models import kernel_plan; "
+            "kernel_plan.fixed_choice('int4', torch.bfloat16, torch.device('cpu')); "
+            "print(json.dumps(torch.get_num_threads()))")
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                             threads.SET_BY_LMCLI_VAR)}
+    keys = []
+    for settings in ({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_NUM_THREADS": "2"}):
+        env = {**base, **settings, "LMCLI_CACHE_DIR": str(tmp_path)}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-500:]
+        assert json.loads(result.stdout.strip().splitlines()[-1]) == int(settings["OMP_NUM_THREADS"])
+        new = set(json.loads((tmp_path / "kernels.json").read_text())) - set(keys)
+        assert len(new) == 1
+        keys.append(new.pop())
+    assert keys[0].endswith("|threads=1, OMP_WAIT_POLICY=PASSIVE")
+    assert keys[1].endswith("|threads=2, libgomp's default wait (spins, then sleeps)")
