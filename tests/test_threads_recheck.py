@@ -244,7 +244,7 @@ def test_kernel_plans_are_keyed_by_the_thread_settings_they_were_made_under(tmp_
             "print(json.dumps(torch.get_num_threads()))")
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
                                                              threads.SET_BY_LMCLI_VAR)}
-    keys = []
+    keys: list[str] = []
     for settings in ({"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_NUM_THREADS": "2"}):
         env = {**base, **settings, "LMCLI_CACHE_DIR": str(tmp_path)}
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
