@@ -42,6 +42,7 @@ THREADS_VAR = "OMP_NUM_THREADS"
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAIT_CHOICE = {"OMP_WAIT_POLICY": "PASSIVE"}
 RECHECK_S = 0.5  # how often recheck() looks at the load while generating
+FIRST_WINDOW_S = 0.2  # sooner after a look at the tasks running now (an instant can mislead), ~40 ticks on 2 CPUs
 STALE_S = 2.0  # a longer gap since the last look (a pause) says little about now: count the tasks running instead
 # The variables lmcli itself set, so that a later call (or a child process, which inherits them) does not
 # mistake lmcli's choice for the user's.
@@ -240,6 +241,7 @@ class LoadFollower:
         if fresh or self.last is None or now - self.last[0] > STALE_S:
             running = self.readers.running_elsewhere()
             target = self.threads if running is None else threads_for_tasks(self.cpus, self.host_cpus, running)
+            self.due = now + FIRST_WINDOW_S
         else:
             then, busy_then, own_then = self.last
             others = max((busy - busy_then) - (own - own_then), 0.0) / max(now - then, 1e-6)

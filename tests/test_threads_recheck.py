@@ -68,8 +68,8 @@ def test_load_arriving_later_takes_threads_away_and_leaving_gives_them_back():
     follower = threads.LoadFollower(cpus=2, host_cpus=2, threads=2, readers=fake.readers())
     follower.recheck()  # the first look: nothing running elsewhere, keeps 2
     assert fake.set_calls == [] and fake.reads == 1
-    for _ in range(20):  # decode steps well inside RECHECK_S: only the clock is read
-        fake.run(0.01, others=0.0, ours=2.0)
+    for _ in range(15):  # decode steps inside the first window: only the clock is read
+        fake.run(threads.FIRST_WINDOW_S / 20, others=0.0, ours=2.0)
         follower.recheck()
     assert fake.reads == 1
     fake.run(threads.RECHECK_S, others=0.0, ours=2.0)
@@ -113,10 +113,13 @@ def test_a_fresh_call_counts_the_tasks_running_now_even_soon_after_the_last_look
     fake.running = 1
     follower.recheck(fresh=True)
     assert fake.set_calls == [1]
-    fake.run(threads.RECHECK_S / 2, others=1.0, ours=1.0)
+    fake.run(threads.FIRST_WINDOW_S / 2, others=1.0, ours=1.0)
     fake.running = 0
     follower.recheck(fresh=True)  # too soon after the last look: nothing read
     assert fake.set_calls == [1]
+    fake.run(threads.FIRST_WINDOW_S / 2, others=1.0, ours=1.0)  # the first window after a look at the instant
+    follower.recheck()  # is shorter than RECHECK_S
+    assert fake.set_calls == [1] and fake.reads == 3
 
 
 def test_the_program_setting_torch_threads_stops_the_following():

@@ -61,6 +61,7 @@ def main() -> None:
             for worker in workers:
                 worker.start()
                 worker.wait_ready()
+            print(f"workers ready · load average {os.getloadavg()[0]:.2f}", flush=True)
             request = {"op": "generate", "batch": 1, "context": 32, "new": args.new_tokens}
             for round_ in range(args.rounds):
                 for busy in (False, True):
