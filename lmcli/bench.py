@@ -183,7 +183,8 @@ def _run_engines(settings: BenchSettings, chosen: Any, progress: Callable[[str],
     native = _native_format(path)
 
     progress("measuring memory read bandwidth")
-    machine = {**cpu_facts(), "read_bandwidth_bytes_per_s": read_bandwidth(),
+    machine = {**cpu_facts(), **({"torch_threads": settings.threads} if settings.threads else {}),
+               "read_bandwidth_bytes_per_s": read_bandwidth(),
                "threads": f"{settings.threads} (--threads)" if settings.threads else chosen.describe()}
     workers = _workers(settings, path, float_dtype, threads)
     # The busy loops exist, paused, for the whole run and are killed on leaving (errors and Ctrl-C too).

@@ -58,7 +58,7 @@ def print_report(results: dict[str, Any], console=None) -> None:
     machine = results["machine"]
     settings = results["settings"]
     console.print(f"[bold]{Path(results['checkpoint']).name}[/bold] · {machine['cpu']} · "
-                  f"{machine['torch_threads']} threads of {machine['logical_cpus']} logical CPUs · "
+                  f"{machine['torch_threads']} thread(s) of {machine['logical_cpus']} logical CPUs at the start · "
                   f"torch {machine['torch']} capability {machine['torch_cpu_capability']} · "
                   f"extensions {' '.join(machine['extensions']) or 'none seen'} · "
                   f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", highlight=False)

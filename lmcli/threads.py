@@ -13,7 +13,8 @@ chat runs, lmcli keeps choosing:
   RECHECK_S has passed) measures what the other processes used of our CPUs since the last look
   (/proc/stat less this process's own CPU time) and moves torch.set_num_threads between 1 and the CPUs:
   fewer when a core is taken, more when it is free again. At the start of each call, or after a pause
-  (a chat waiting for its user), the first look counts the tasks running that instant instead.
+  (a chat waiting for its user, a gap of over PAUSE_S between calls), the first look counts the tasks
+  running that instant instead.
 - libgomp's own wait (spin, then sleep) is kept: with no more threads than free cores it is the
   fastest (1.6-2x passive waiting on a quiet machine, tools/thread_settings.py), and the wait policy
   cannot change once torch has loaded, while the thread count can.
@@ -43,7 +44,7 @@ WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAIT_CHOICE = {"OMP_WAIT_POLICY": "PASSIVE"}
 RECHECK_S = 0.5  # how often recheck() looks at the load while generating
 FIRST_WINDOW_S = 0.2  # sooner after a look at the tasks running now (an instant can mislead), ~40 ticks on 2 CPUs
-STALE_S = 2.0  # a longer gap since the last look (a pause) says little about now: count the tasks running instead
+PAUSE_S = 1.0  # a longer gap between two recheck() calls is a pause: what the CPUs did in it is no guide to now
 # The variables lmcli itself set, so that a later call (or a child process, which inherits them) does not
 # mistake lmcli's choice for the user's.
 SET_BY_LMCLI_VAR = "LMCLI_THREADS_SET"
@@ -219,12 +220,17 @@ class LoadFollower:
         self.cpus, self.host_cpus, self.threads, self.readers = cpus, host_cpus, threads, readers
         self.last: tuple[float, float, float] | None = None  # (clock, CPUs busy, own CPU) at the last look
         self.due = float("-inf")
+        self.called = float("-inf")  # clock at the last recheck() call
+        self.paused = False  # a pause since the last look: the next one counts the tasks running then
         self.stopped: str | None = None  # why it no longer follows
         self.switches = 0
 
     def recheck(self, fresh: bool = False) -> None:
-        """`fresh`: work starts now after a pause of unknown length (what the CPUs did during it is no guide)."""
+        """`fresh`: work starts now after a pause of unknown length (what the CPUs did during it is no
+        guide); a gap of more than PAUSE_S since the last call counts as one too."""
         now = self.readers.clock()
+        self.paused |= fresh or now - self.called > PAUSE_S
+        self.called = now
         if now < self.due or self.stopped:
             return
         self.due = now + RECHECK_S
@@ -238,7 +244,7 @@ class LoadFollower:
         if busy is None:
             self.stopped = "the CPUs' busy time cannot be read"
             return
-        if fresh or self.last is None or now - self.last[0] > STALE_S:
+        if self.paused or self.last is None:
             running = self.readers.running_elsewhere()
             target = self.threads if running is None else threads_for_tasks(self.cpus, self.host_cpus, running)
             self.due = now + FIRST_WINDOW_S
@@ -246,7 +252,7 @@ class LoadFollower:
             then, busy_then, own_then = self.last
             others = max((busy - busy_then) - (own - own_then), 0.0) / max(now - then, 1e-6)
             target = threads_for_window(self.cpus, self.threads, others)
-        self.last = (now, busy, own)
+        self.last, self.paused = (now, busy, own), False
         if target != self.threads:
             self.readers.set_threads(target)
             self.threads = target
@@ -254,7 +260,7 @@ class LoadFollower:
 
     def forget(self) -> None:
         """After a fork: the child's own CPU time starts again, so the last look is not comparable."""
-        self.last, self.due = None, float("-inf")
+        self.last, self.due, self.paused = None, float("-inf"), True
 
 
 def _our_cpus() -> set[int]:
@@ -269,10 +275,10 @@ _follower: LoadFollower | None = None
 
 
 def recheck(fresh: bool = False) -> None:
-    """Let the thread count follow the load: call at every decode step (`fresh` at the first step of a call,
-    or after any pause: the look counts the tasks running that instant rather than the CPU time since the
-    last look). Costs a clock read, plus a look at /proc (~0.3 ms) at most every RECHECK_S; does nothing
-    unless lmcli chose the count alone."""
+    """Let the thread count follow the load: call at every decode step of any loop (`fresh` at the first
+    step of a call; a gap over PAUSE_S between calls counts as a pause too): after a pause the look counts
+    the tasks running that instant rather than the CPU time since the last look. Costs a clock read, plus
+    a look at /proc (30-110 us) at most every RECHECK_S; does nothing unless lmcli chose the count alone."""
     if _follower is not None:
         _follower.recheck(fresh)
 

@@ -122,6 +122,26 @@ def test_a_fresh_call_counts_the_tasks_running_now_even_soon_after_the_last_look
     assert fake.set_calls == [1] and fake.reads == 3
 
 
+def test_a_gap_between_calls_is_a_pause_even_when_no_look_was_due():
+    fake = FakeMachine(threads_now=2, running_elsewhere=0)
+    follower = threads.LoadFollower(cpus=2, host_cpus=2, threads=2, readers=fake.readers())
+    follower.recheck()
+    fake.run(threads.FIRST_WINDOW_S, others=0.0, ours=2.0)
+    follower.recheck()  # a window look: quiet
+    fake.run(threads.PAUSE_S * 1.2, others=2.0, ours=0.0)  # a loop of some caller paused; something else ran
+    fake.running = 0
+    follower.recheck()  # the pause is seen: the tasks running now decide, not the window
+    assert fake.set_calls == [] and fake.reads == 3
+    fake.run(threads.FIRST_WINDOW_S / 2, others=0.0, ours=2.0)
+    follower.recheck()
+    fake.run(threads.PAUSE_S * 1.2, others=2.0, ours=0.0)  # a pause that ends before the next look is due ...
+    follower.due = fake.now + 0.1
+    follower.recheck()
+    fake.run(0.1, others=0.0, ours=2.0)
+    follower.recheck()  # ... is still a pause when the look comes
+    assert fake.set_calls == [] and fake.reads == 4
+
+
 def test_the_program_setting_torch_threads_stops_the_following():
     fake = FakeMachine(threads_now=2)
     follower = threads.LoadFollower(cpus=2, host_cpus=2, threads=2, readers=fake.readers())
