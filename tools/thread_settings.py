@@ -2,12 +2,13 @@
 
     python tools/thread_settings.py [--busy N] [--rounds R] [--new-tokens T] [SETTINGS ...]
 
-Each SETTINGS is `default` (lmcli's own choice) or environment changes joined by '+', e.g.
+Each SETTINGS is `default` (lmcli's own choice, made by the worker, whose count then follows the load)
+or environment changes joined by '+' (the user's settings: a fixed count), e.g.
 `OMP_NUM_THREADS=1` or `OMP_NUM_THREADS=2+GOMP_SPINCOUNT=10000` (`VAR=` unsets VAR). Each runs in its
 own `lmcli bench` worker process (OpenMP reads its settings when torch loads) on the default model,
 loaded once. Every round asks each worker in turn for one batch-1 greedy decode with the busy loops
 paused, then the same with them spinning, so load from the rest of the machine falls on all alike;
-the table shows the medians of decode tokens/s.
+the table shows the medians of decode tokens/s and torch's thread count as each run ended.
 """
 
 from __future__ import annotations
