@@ -195,14 +195,24 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         weights = _converted(weights, module.convert_checkpoint, config)
     if parallel is not None:
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
-    try:
-        with _uninitialised_parameters():
-            if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
-                built = module.build_model(config)
-            else:
-                built = BaseModel(config) if parallel is None else parallel.build_model()
-    except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
-        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
+    def skeleton() -> Any:
+        try:
+            with _uninitialised_parameters():
+                if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
+                    return module.build_model(config)
+                return BaseModel(config) if parallel is None else parallel.build_model()
+        except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
+            raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
+
+    built = skeleton()
+    packed = _packed_entry(resolved, quantize, dtype, device, tp)
+    if packed is not None:
+        from lmcli.io import packed_cache
+
+        if packed_cache.restore(built, *packed):  # the load's result as kept by an earlier start
+            release_freed_memory()
+            return built, tokenizer
+        built = skeleton()  # a refused entry may have left the first one half-filled
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
         floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
@@ -219,7 +229,24 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     del head
     built.eval()
     release_freed_memory()
+    if packed is not None:
+        from lmcli.io import packed_cache
+
+        packed_cache.save(built, *packed)
     return built, tokenizer
+
+
+def _packed_entry(resolved: ResolvedModel, quantize: str | None, dtype: str | torch.dtype | None,
+                  device: torch.device, tp: int | None) -> tuple[Path, dict[str, Any]] | None:
+    """Where the packed cache (io/packed_cache.py) keeps this load, and its key; None where it does
+    not apply: only a GGUF kept quantized, on the CPU, in one process."""
+    from lmcli.io import packed_cache
+
+    if resolved.kind != "gguf" or quantize is not None or device.type != "cpu" or (tp or 1) > 1 \
+            or not packed_cache.enabled():
+        return None
+    key = packed_cache.cache_key(Path(resolved.path), dtype)
+    return packed_cache.entry_path(Path(resolved.path), key), key
 
 
 def release_freed_memory() -> None:
