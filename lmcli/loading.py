@@ -135,6 +135,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
     weights: Iterator[tuple[str, Any]]
 
+    packed = _packed_entry(resolved, quantize, dtype, device, tp)
+    loaded = None if packed is None else _from_packed(resolved, packed)
+    if loaded is not None:
+        return loaded
     if resolved.kind == "gguf":
         if tp is not None and tp > 1:
             from lmcli.distributed import refuse_gguf
@@ -205,14 +209,6 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
             raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
 
     built = skeleton()
-    packed = _packed_entry(resolved, quantize, dtype, device, tp)
-    if packed is not None:
-        from lmcli.io import packed_cache
-
-        if packed_cache.restore(built, *packed):  # the load's result as kept by an earlier start
-            release_freed_memory()
-            return built, tokenizer
-        built = skeleton()  # a refused entry may have left the first one half-filled
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
         floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
@@ -229,10 +225,35 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     del head
     built.eval()
     release_freed_memory()
-    if packed is not None:
+    if packed is not None and type(built) is BaseModel:
         from lmcli.io import packed_cache
 
-        packed_cache.save(built, *packed)
+        packed_cache.save(built, tokenizer, hf_config, *packed)
+    return built, tokenizer
+
+
+def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[BaseModel, Tokenizer | None] | None:
+    """The model and tokenizer as an earlier start loaded them (io/packed_cache.py), without reading
+    the GGUF; None where there is no usable entry."""
+    from lmcli import registry
+    from lmcli.io import packed_cache
+    from lmcli.models.base import BaseModel
+
+    entry = packed_cache.open_entry(*packed)
+    if entry is None:
+        return None
+    try:
+        config = registry.config_from_hf(dict(entry.hf_config), resolved.check_as, source=resolved.config_source)
+        with _uninitialised_parameters():
+            built = BaseModel(config)
+        entry.fill(built)
+        tokenizer = entry.tokenizer()
+    except (CheckpointError, *packed_cache.REFUSALS) as exc:
+        packed_cache.refuse(packed[0], exc)
+        return None
+    if resolved.tokenizer_path is not None:
+        tokenizer = _tokenizer_from(resolved.tokenizer_path)
+    release_freed_memory()
     return built, tokenizer
 
 

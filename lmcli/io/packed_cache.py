@@ -19,6 +19,7 @@ hidden temporary, and two writers each rename a complete file of their own.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -27,23 +28,25 @@ import struct
 import sys
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lmcli.errors import first_line
+from lmcli.models.packed_model import DTYPES, Damaged, apply, describe
+
+if TYPE_CHECKING:
+    from lmcli.io.tokenizer import Tokenizer
 
 FORMAT = 1  # bump when the file layout or what the header means changes
 MAGIC = b"LMCLIPK\x01"
 ALIGN = 64
 MAX_HEADER = 16 << 20  # a header claiming more is not one of ours
-SAMPLE_BYTES = 1 << 16  # checksummed pieces: the first and last of every tensor, and 32 spread over the data
+SAMPLE_BYTES = 1 << 16  # checksummed pieces: 32 spread over the data, and each tensor's first and last page
+EDGE_BYTES = 1 << 12
 ENV = "LMCLI_PACKED_CACHE"  # "0": neither read nor write entries
 
-_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
-                                                       torch.int8, torch.int32, torch.int64, torch.bool)}
-_PLAIN = (bool, int, float, str, type(None))
 
 
 def enabled() -> bool:
@@ -73,7 +76,7 @@ def cache_key(gguf_path: Path, dtype: str | torch.dtype | None) -> dict[str, Any
         "fingerprint": checkpoint_fingerprint(gguf_path),
         "code": _code_version(),
         "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
-        "dtype": str(dtype),
+        "dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),
         "kernel_env": {name: os.environ.get(name, "") for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS")},
     }
 
@@ -95,102 +98,14 @@ def entries_for(gguf_path: Path) -> list[Path]:
 # --- writing ----------------------------------------------------------------------------------------
 
 
-def _kernel_classes() -> dict[str, Any]:
-    from lmcli.models.kernels import DequantiseKernel, Int4PackKernel
-
-    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel)}
-
-
-def _plain(value: Any) -> Any:
-    """A kernel setting as JSON; ValueError for anything this format does not know how to keep."""
-    from lmcli.models.kernels import PackLayout
-
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, PackLayout):
-        return {"layout": [value.block, list(value.rows)]}
-    raise ValueError(f"a kernel setting of type {type(value).__name__}")
-
-
-def _unplain(value: Any) -> Any:
-    from lmcli.models.kernels import PackLayout, cpu_pack_layout
-
-    if isinstance(value, dict) and set(value) == {"dtype"}:
-        return _DTYPES[value["dtype"]]
-    if isinstance(value, dict) and set(value) == {"layout"}:
-        block, rows = value["layout"]
-        layout = PackLayout(int(block), tuple(int(r) for r in rows))
-        if layout != cpu_pack_layout():  # torch packs differently now
-            raise ValueError("a packing layout this torch does not use")
-        return layout
-    if isinstance(value, _PLAIN):
-        return value
-    raise ValueError("an unknown kernel setting")
-
-
-def _describe(model: nn.Module) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """The header's description of `model` and the tensors to store, in order (each stored once)."""
-    from lmcli.models.linear import QuantEmbedding, QuantLinear
-
-    tensors: list[torch.Tensor] = []
-    index: dict[tuple, int] = {}
-
-    def stored(tensor: torch.Tensor) -> dict[str, Any]:
-        if tensor.device.type != "cpu" or str(tensor.dtype).removeprefix("torch.") not in _DTYPES:
-            raise ValueError(f"a {tensor.dtype} tensor on {tensor.device}")
-        transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
-        data = tensor.t() if transposed else tensor.contiguous()
-        identity = (data.data_ptr(), tuple(data.shape), data.dtype)
-        if identity not in index:
-            index[identity] = len(tensors)
-            tensors.append(data)
-        return {"tensor": index[identity], "transposed": transposed}
-
-    kernels: list[dict[str, Any]] = []
-    kernel_index: dict[int, int] = {}
-    classes = {cls: name for name, cls in _kernel_classes().items()}
-    modules: list[dict[str, Any]] = []
-    for path, module in model.named_modules(remove_duplicate=False):
-        for leaf, child in module._modules.items():
-            if child is None:
-                modules.append({"path": f"{path}.{leaf}" if path else leaf, "type": None})
-        if isinstance(module, (QuantLinear, QuantEmbedding)):
-            kernel = module.kernel
-            if id(kernel) not in kernel_index:
-                if type(kernel) not in classes:
-                    raise ValueError(f"a kernel of type {type(kernel).__name__}")
-                settings = {k: _plain(v) for k, v in vars(kernel).items() if not k.startswith("_")}
-                buffers = {name: stored(b) for name, b in kernel._buffers.items() if b is not None}
-                kernel_index[id(kernel)] = len(kernels)
-                kernels.append({"class": classes[type(kernel)], "settings": settings, "buffers": buffers,
-                                "none": [name for name, b in kernel._buffers.items() if b is None]})
-            kind = "QuantLinear" if isinstance(module, QuantLinear) else "QuantEmbedding"
-            modules.append({"path": path, "type": kind, "kernel": kernel_index[id(kernel)],
-                            "large_rows": module.large_rows})
-    parameters = {name: stored(p) for name, p in model.named_parameters(remove_duplicate=False)
-                  if not _inside_kernel(name)}
-    buffers = {name: stored(b) for name, b in model.named_buffers(remove_duplicate=False) if not _inside_kernel(name)}
-    paths = [path for path, _ in model.named_modules(remove_duplicate=False) if path]
-    from dataclasses import asdict
-
-    choices = {kind: asdict(choice) for kind, choice in getattr(model, "kernel_choices", {}).items()}
-    return {"modules": modules, "paths": paths, "kernels": kernels, "parameters": parameters, "buffers": buffers,
-            "kernel_choices": choices, "batch_invariant": bool(getattr(model, "batch_invariant", False))}, tensors
-
-
-def _inside_kernel(name: str) -> bool:
-    return ".kernel." in f".{name}"
-
-
 def _samples(total: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """(offset, length) pieces of the data region that are checksummed: each tensor's first and last
-    SAMPLE_BYTES, and 32 pieces spread evenly over the whole."""
+    EDGE_BYTES, and 32 pieces of SAMPLE_BYTES spread evenly over the whole (about 5 MB of the default
+    model's 100: checking every byte would read the whole file at every start, 0.1-0.2 s here)."""
     pieces = set()
     for start, length in spans:
-        pieces.add((start, min(length, SAMPLE_BYTES)))
-        pieces.add((start + max(0, length - SAMPLE_BYTES), min(length, SAMPLE_BYTES)))
+        pieces.add((start, min(length, EDGE_BYTES)))
+        pieces.add((start + max(0, length - EDGE_BYTES), min(length, EDGE_BYTES)))
     for i in range(32):
         offset = total * i // 32
         pieces.add((offset, min(SAMPLE_BYTES, total - offset)))
@@ -204,15 +119,27 @@ def _checksum(data: memoryview | bytes, pieces: list[tuple[int, int]]) -> int:
     return crc
 
 
-def save(model: nn.Module, path: Path, key: dict[str, Any]) -> None:
-    """Write `model` as an entry at `path`; a one-line warning (and no entry) where that fails."""
+def save(model: nn.Module, tokenizer: Tokenizer | None, hf_config: dict[str, Any], path: Path,
+         key: dict[str, Any]) -> None:
+    """Write `model`, its tokenizer and the config it was built from as an entry at `path`; a one-line
+    warning (and no entry) where that fails."""
     from lmcli.io.atomic import atomic_file
 
     try:
-        header, tensors = _describe(model)
-    except ValueError as exc:  # a model this format cannot describe: loaded from the GGUF each time
+        header, tensors = describe(model)
+        json.dumps(hf_config)  # plain values only
+    except (ValueError, TypeError) as exc:  # a model this format cannot describe: loaded from the GGUF each time
         sys.stderr.write(f"note: the loaded weights are not kept in the packed cache ({exc})\n")
         return
+    header["hf_config"] = hf_config
+    if tokenizer is not None:  # the backend's own JSON, stored as bytes beside the tensors
+        text = torch.frombuffer(bytearray(tokenizer.backend.to_str().encode()), dtype=torch.uint8)
+        header["tokenizer"] = {"backend": len(tensors), "bos_token": tokenizer.bos_token,
+                               "eos_token": tokenizer.eos_token, "unk_token": tokenizer.unk_token,
+                               "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template,
+                               "eos_token_id": tokenizer.eos_token_id, "stop_ids": tokenizer.eos_token_ids,
+                               "name": tokenizer.name}
+        tensors.append(text)
     spans, offset = [], 0
     for tensor in tensors:
         offset = -(-offset // ALIGN) * ALIGN
@@ -243,6 +170,25 @@ def save(model: nn.Module, path: Path, key: dict[str, Any]) -> None:
     except OSError as exc:
         sys.stderr.write(f"warning: cannot keep the packed weights in {path.parent} ({first_line(exc)}); "
                          "the next start loads from the GGUF again\n")
+        return
+    _remove_superseded(path, key)
+
+
+def _remove_superseded(path: Path, key: dict[str, Any]) -> None:
+    """Other entries for the same GGUF file (made under another key: older code, torch or file)."""
+    for other in path.parent.glob(f"{path.name.rsplit('-', 1)[0]}-*.lmpk"):
+        if other == path:
+            continue
+        try:
+            with open(other, "rb") as file:
+                start = file.read(16)
+                length = struct.unpack("<Q", start[8:16])[0] if start[:8] == MAGIC and len(start) == 16 else 0
+                body = json.loads(file.read(min(length, MAX_HEADER))) if length else {}
+            if isinstance(body, dict) and isinstance(body.get("key"), dict) and \
+                    body["key"].get("source") == key["source"]:
+                other.unlink()
+        except (OSError, ValueError):
+            continue
 
 
 def _encode(header: dict[str, Any], crc: int) -> bytes:
@@ -255,10 +201,6 @@ def _data_start(encoded_length: int) -> int:
 
 
 # --- reading ----------------------------------------------------------------------------------------
-
-
-class Damaged(ValueError):
-    """An entry that is not what this format writes, or not for this key."""
 
 
 def _read_header(mapped: mmap.mmap, key: dict[str, Any]) -> tuple[dict[str, Any], int]:
@@ -288,7 +230,7 @@ def _tensor_views(mapped: mmap.mmap, header: dict[str, Any], start: int) -> list
     views, spans = [], []
     buffer = np.frombuffer(mapped, dtype=np.uint8, offset=start, count=total)  # no copy: the file's pages
     for entry in header["tensors"]:
-        dtype, shape, offset, nbytes = _DTYPES[entry["dtype"]], [int(s) for s in entry["shape"]], entry["offset"], entry["nbytes"]
+        dtype, shape, offset, nbytes = DTYPES[entry["dtype"]], [int(s) for s in entry["shape"]], entry["offset"], entry["nbytes"]
         numel = 1
         for size in shape:
             if size < 0:
@@ -304,91 +246,62 @@ def _tensor_views(mapped: mmap.mmap, header: dict[str, Any], start: int) -> list
     return views
 
 
-def restore(model: nn.Module, path: Path, key: dict[str, Any]) -> bool:
-    """Fill `model` (built from its config, weights not yet placed) from the entry at `path`. False
-    where there is none; a stale or damaged one is deleted, and `model` may then be half-filled: the
-    caller builds a new one to load from the GGUF."""
+class Entry:
+    """A checked entry, mapped: the config the model was built from, its tensors and its tokenizer."""
+
+    def __init__(self, header: dict[str, Any], views: list[torch.Tensor]):
+        self.header, self.views = header, views
+        self.hf_config: dict[str, Any] = header["hf_config"]
+        if not isinstance(self.hf_config, dict):
+            raise Damaged("no config")
+
+    def fill(self, model: nn.Module) -> None:
+        """Fill `model`, built from `hf_config` with its weights not yet placed (Damaged where the
+        entry does not fit it: `model` may then be half-filled)."""
+        apply(model, self.header, self.views)
+
+    def tokenizer(self) -> Tokenizer | None:
+        from tokenizers import Tokenizer as Backend
+
+        from lmcli.io.tokenizer import Tokenizer
+
+        fields = self.header.get("tokenizer")
+        if fields is None:
+            return None
+        backend = Backend.from_str(bytes(self.views[fields["backend"]].numpy()).decode("utf-8"))
+        return Tokenizer(backend, bos_token=fields["bos_token"], eos_token=fields["eos_token"],
+                         unk_token=fields["unk_token"], pad_token=fields["pad_token"],
+                         chat_template=fields["chat_template"], generation_eos=fields["eos_token_id"],
+                         extra_stop_ids=fields["stop_ids"], name=fields["name"])
+
+
+def open_entry(path: Path, key: dict[str, Any]) -> Entry | None:
+    """The entry at `path` if there is one and it passes its checks; a damaged or foreign one is
+    deleted (with a one-line note), so the caller loads from the GGUF and writes it again."""
     try:
         with open(path, "rb") as file:
             # Copy-on-write: tensors are writable (torch wants that) and nothing written reaches the file.
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError):  # none, unreadable, or empty
-        if path.exists():
-            path.unlink(missing_ok=True)
-        return False
+    except (FileNotFoundError, NotADirectoryError):  # no entry (or no cache directory)
+        return None
+    except (OSError, ValueError) as exc:  # unreadable, or empty
+        refuse(path, exc)
+        return None
     try:
         header, start = _read_header(mapped, key)
-        _apply(model, header, _tensor_views(mapped, header, start))
-        return True
-    except (Damaged, KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as exc:
-        sys.stderr.write(f"note: {path.name}: packed weights not used ({first_line(exc)[:100]}); loading from the GGUF\n")
+        return Entry(header, _tensor_views(mapped, header, start))
+    except REFUSALS as exc:
+        refuse(path, exc)
+        return None
+
+
+REFUSALS = (Damaged, KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError, OSError)
+
+
+def refuse(path: Path, exc: BaseException) -> None:
+    """Note why the entry at `path` is not used, and delete it."""
+    sys.stderr.write(f"note: {path.name}: packed weights not used ({first_line(exc)[:100]}); loading from the GGUF\n")
+    with contextlib.suppress(OSError):
         path.unlink(missing_ok=True)
-        return False
 
 
-def _apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -> None:
-    from lmcli.models.kernel_plan import KernelChoice, kernel_plan
-    from lmcli.models.linear import QuantEmbedding, QuantLinear
-
-    def tensor(ref: dict[str, Any]) -> torch.Tensor:
-        view = views[ref["tensor"]]
-        return view.t() if ref["transposed"] else view
-
-    choices = {kind: KernelChoice(**fields) for kind, fields in header["kernel_choices"].items()}
-    for kind, choice in choices.items():  # the plan this process would choose (a re-probe may change it)
-        if kernel_plan(kind, _DTYPES[choice.dtype], "cpu").kernel != choice.kernel:
-            raise Damaged(f"the {kind} kernel plan changed")
-    classes = _kernel_classes()
-    kernels = []
-    for entry in header["kernels"]:
-        cls = classes[entry["class"]]
-        kernel = cls.__new__(cls)
-        nn.Module.__init__(kernel)
-        for name, value in entry["settings"].items():
-            setattr(kernel, name, _unplain(value))
-        for name, ref in entry["buffers"].items():
-            kernel.register_buffer(name, tensor(ref), persistent=False)
-        for name in entry["none"]:
-            kernel.register_buffer(name, None, persistent=False)
-        kernels.append(kernel)
-
-    def parent_of(path: str) -> tuple[nn.Module, str]:
-        owner, _, leaf = path.rpartition(".")
-        return (model.get_submodule(owner) if owner else model), leaf
-
-    for entry in header["modules"]:
-        parent, leaf = parent_of(entry["path"])
-        if entry["type"] is None:
-            setattr(parent, leaf, None)
-        elif entry["type"] == "QuantLinear":
-            kernel = kernels[entry["kernel"]]
-            setattr(parent, leaf, QuantLinear(kernel, None, entry["large_rows"]))
-        elif entry["type"] == "QuantEmbedding":
-            setattr(parent, leaf, QuantEmbedding(kernels[entry["kernel"]], entry["large_rows"]))
-        else:
-            raise Damaged(f"unknown module type {entry['type']!r}")
-    keep = set(header["paths"])
-    for path, _ in sorted(model.named_modules(remove_duplicate=False), key=lambda item: -item[0].count(".")):
-        if path and path not in keep:
-            parent, leaf = parent_of(path)
-            if leaf in parent._modules:
-                delattr(parent, leaf)
-    for name, ref in header["parameters"].items():
-        parent, leaf = parent_of(name)
-        parent.__dict__.pop(leaf, None)  # a None set as a plain attribute (a QuantLinear without bias)
-        parent._parameters[leaf] = nn.Parameter(tensor(ref), requires_grad=False)
-    for name, ref in header["buffers"].items():
-        parent, leaf = parent_of(name)
-        parent.__dict__.pop(leaf, None)
-        parent._buffers[leaf] = tensor(ref)
-    if sorted(n for n, _ in model.named_modules(remove_duplicate=False) if n) != sorted(keep):
-        raise Damaged("module tree differs")
-    # Every parameter and buffer of the rebuilt tree came from the entry (none left unfilled).
-    filled = set(header["parameters"]) | set(header["buffers"])
-    present = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
-              {n for n, _ in model.named_buffers(remove_duplicate=False)}
-    if {n for n in present if not _inside_kernel(n)} != filled:
-        raise Damaged("parameters differ from the model's")
-    setattr(model, "kernel_choices", choices)  # noqa: B010  (plain attributes of BaseModel, not modules)
-    setattr(model, "batch_invariant", bool(header["batch_invariant"]))  # noqa: B010
-    model.eval()
