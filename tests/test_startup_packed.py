@@ -49,7 +49,7 @@ def _with_vocabulary(monkeypatch, size: int) -> None:
     tokens = [chr(0x21 + i) for i in range(94)] + ["$%"]  # "$%": what the one merge makes
     tokens += [f"<t{i}>" for i in range(len(tokens), size)]
 
-    class WithVocabulary(gguf.GGUFWriter):
+    class WithVocabulary(gguf.GGUFWriter):  # type: ignore[name-defined]
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.add_tokenizer_model("gpt2")
