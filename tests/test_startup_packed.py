@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,13 +36,25 @@ FIELDS = dict(BASE, vocab_size=128, hidden_size=64, intermediate_size=128, num_a
               tie_word_embeddings=True, attention_bias=True)
 
 
+@pytest.fixture(scope="module")
+def kernel_probes(tmp_path_factory) -> Path:
+    """Where the kernel probes' results (kernels.json) are kept between this module's fresh caches, so
+    each cache (and each child process) does not probe again in child processes of its own."""
+    return tmp_path_factory.mktemp("probes") / "kernels.json"
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch) -> Path:
+def cache(tmp_path, monkeypatch, kernel_probes):
     """A fresh lmcli cache with the packed cache on (the suite runs with it off: conftest.py)."""
     directory = tmp_path / "cache"
+    if kernel_probes.is_file():
+        directory.mkdir()
+        shutil.copy(kernel_probes, directory / "kernels.json")
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(directory))
     monkeypatch.setenv(packed_cache.ENV, "1")
-    return directory
+    yield directory
+    if (directory / "kernels.json").is_file() and directory.is_dir():
+        shutil.copy(directory / "kernels.json", kernel_probes)
 
 
 def _with_vocabulary(monkeypatch, size: int) -> None:
@@ -206,6 +219,7 @@ def test_a_writer_killed_midway_leaves_nothing_that_looks_complete(tiny_gguf, ca
     assert [p.name for p in (cache / "packed").iterdir()] == [_entries(cache)[0].name]
 
 
+@pytest.mark.full  # two child processes loading at once: half a minute on two busy cores
 def test_two_processes_writing_at_once_leave_one_good_entry(tiny_gguf, cache, tmp_path):
     children = [_child(_LOADER, str(tiny_gguf), str(tmp_path / f"{i}.pt")) for i in range(2)]
     for child in children:
@@ -219,12 +233,12 @@ def test_two_processes_writing_at_once_leave_one_good_entry(tiny_gguf, cache, tm
 
 
 def test_a_cache_that_cannot_be_written_loads_from_the_gguf_with_one_warning(tiny_gguf, cache, capfd):
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text("a file where the cache directory should be\n")  # what a read-only cache also gives: OSError
+    cache.mkdir(parents=True, exist_ok=True)
+    (cache / "packed").write_text("a file where the entries' directory should be\n")  # as a read-only one: OSError
     capfd.readouterr()
     got, _ = _logits(tiny_gguf)
     warning = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
-    assert len(warning) == 1 and warning[0].startswith(f"warning: cannot keep the packed weights in {cache}"), warning
+    assert len(warning) == 1 and warning[0].startswith(f"warning: cannot keep the packed weights in {cache / 'packed'}"), warning
     assert torch.equal(got, _logits(tiny_gguf, packed=False)[0])
 
 
@@ -249,6 +263,7 @@ def test_the_default_model_from_its_entry_gives_the_same_logits_and_tokens(smoll
     assert _entries(cache) and torch.equal(got, want) and ids == want_ids
 
 
+@pytest.mark.full  # three child processes (test_memory checks the first start in `make test`)
 def test_a_start_from_the_entry_stays_within_the_memory_bound(smollm2_gguf, cache, tmp_path, monkeypatch):
     from test_memory import _IMPORT_TORCH, _check_bound, _run
 
