@@ -132,12 +132,13 @@ def _in_mapping_of(path: Path, tensor: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("damage", ["flip a data byte", "cut short", "garbage header", "huge header length",
-                                    "foreign key", "empty"])
+                                    "foreign key", "a setting over a method", "a module over a method", "empty"])
 def test_a_damaged_or_foreign_entry_is_refused_and_rebuilt(damage, tiny_gguf, cache, capfd):
     want, _ = _logits(tiny_gguf, packed=False)
     _logits(tiny_gguf)
     (entry,) = _entries(cache)
-    data = bytearray(entry.read_bytes())
+    original = entry.read_bytes()
+    data = bytearray(original)
     length = int.from_bytes(data[8:16], "little")
     header = json.loads(data[16:16 + length])
     start = -(-(16 + length) // packed_cache.ALIGN) * packed_cache.ALIGN
@@ -149,11 +150,17 @@ def test_a_damaged_or_foreign_entry_is_refused_and_rebuilt(damage, tiny_gguf, ca
         data[20:40] = b"\xff" * 20
     elif damage == "huge header length":
         data[8:16] = (1 << 62).to_bytes(8, "little")
-    elif damage == "foreign key":  # a well-formed entry made for another torch, at this key's name
-        header["key"]["torch"] = "0" * len(header["key"]["torch"])
+    elif damage in ("foreign key", "a setting over a method", "a module over a method"):
+        if damage == "foreign key":  # a well-formed entry made for another torch, at this key's name
+            header["key"]["torch"] = "0.0"
+        elif damage == "a setting over a method":
+            header["kernels"][0]["settings"]["matmul"] = 1
+        else:
+            header["modules"][0]["path"] = "model.forward"
         body = json.dumps(header, sort_keys=True).encode()
-        assert len(body) == length
-        data[16:16 + length] = body
+        head = packed_cache.MAGIC + len(body).to_bytes(8, "little") + body
+        padded = head + bytes(-len(head) % packed_cache.ALIGN)
+        data = bytearray(padded + data[start:])  # the same data (and checksum) after the new header
     else:
         data = bytearray()
     entry.write_bytes(bytes(data))
@@ -163,7 +170,7 @@ def test_a_damaged_or_foreign_entry_is_refused_and_rebuilt(damage, tiny_gguf, ca
     note = capfd.readouterr().err.strip().splitlines()
     assert len(note) == 1 and note[0].startswith(f"note: {entry.name}: packed weights not used"), note
     (rebuilt,) = _entries(cache)  # written again, whole
-    assert rebuilt.stat().st_size == header["data_bytes"] + start
+    assert rebuilt.read_bytes() == original
     again, _ = _logits(tiny_gguf)
     assert torch.equal(again, want)
     assert "not used" not in capfd.readouterr().err

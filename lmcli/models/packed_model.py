@@ -9,6 +9,7 @@ it was made; anything else (an unknown kernel, a setting of an unknown type) is 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -128,16 +129,20 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
         kernel = cls.__new__(cls)
         nn.Module.__init__(kernel)
         for name, value in entry["settings"].items():
-            setattr(kernel, name, _unplain(value))
+            setattr(kernel, _settable(cls, name), _unplain(value))
         for name, ref in entry["buffers"].items():
-            kernel.register_buffer(name, tensor(ref), persistent=False)
+            kernel.register_buffer(_settable(cls, name), tensor(ref), persistent=False)
         for name in entry["none"]:
-            kernel.register_buffer(name, None, persistent=False)
+            kernel.register_buffer(_settable(cls, name), None, persistent=False)
         kernels.append(kernel)
 
     def parent_of(path: str) -> tuple[nn.Module, str]:
         owner, _, leaf = path.rpartition(".")
-        return (model.get_submodule(owner) if owner else model), leaf
+        parent = model.get_submodule(owner) if owner else model
+        # A name the entry sets must be a plain attribute: never one of the class's (a method, a property).
+        if not leaf.isidentifier() or leaf.startswith("_") or hasattr(type(parent), leaf):
+            raise Damaged(f"a module or tensor named {path!r}")
+        return parent, leaf
 
     for entry in header["modules"]:
         parent, leaf = parent_of(entry["path"])
@@ -175,3 +180,13 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
     setattr(model, "kernel_choices", choices)  # noqa: B010  (plain attributes of BaseModel, not modules)
     setattr(model, "batch_invariant", bool(header["batch_invariant"]))  # noqa: B010
     model.eval()
+
+
+def _settable(cls: type, name: str) -> str:
+    """`name`, if it may be set on a kernel: a public attribute that is not one of the class's methods
+    or properties (a plain class default, like `name`, may be)."""
+    default = getattr(cls, name, None)
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or callable(default) \
+            or isinstance(default, property | functools.cached_property):
+        raise Damaged(f"a kernel setting named {name!r}")
+    return name
