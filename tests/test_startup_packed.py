@@ -117,6 +117,9 @@ def test_a_second_load_maps_the_first_ones_result_and_computes_the_same(tiny_ggu
     assert buffers and all(_in_mapping_of(entry, b) for b in buffers)
     assert {m.kernel.name for m in quantized} == {"int4pack", "int4pair"}
     assert model.kernel_choices and model.batch_invariant
+    from lmcli.console import describe_cache
+
+    assert "its loaded weights, packed, " in describe_cache(tiny_gguf) and entry.name in describe_cache(tiny_gguf)
 
 
 def _in_mapping_of(path: Path, tensor: torch.Tensor) -> bool:
@@ -278,3 +281,26 @@ def test_a_start_from_the_entry_stays_within_the_memory_bound(smollm2_gguf, cach
     _logits(smollm2_gguf)  # the entry, written by this process
     assert _entries(cache)
     _check_bound(smollm2_gguf, torch_bytes, cache)  # a child starting from it
+
+
+def test_an_entry_made_under_another_kernel_plan_is_stale(tiny_gguf, cache, capfd):
+    from lmcli.models.kernel_plan import fixed_choice
+
+    _logits(tiny_gguf)
+    assert len(_entries(cache)) == 1
+    plans = json.loads((cache / "kernels.json").read_text())
+    for machine in plans.values():  # this machine's probe now says: dequantise int4 weights
+        machine["fixed|int4|bfloat16"]["kernel"] = "dequantise"
+    (cache / "kernels.json").write_text(json.dumps(plans))
+    fixed_choice.cache_clear()
+    try:
+        capfd.readouterr()
+        got, _ = _logits(tiny_gguf)
+        assert "the int4 kernel plan changed" in capfd.readouterr().err
+        want, _ = _logits(tiny_gguf, packed=False)
+        model, _ = lmcli.load(tiny_gguf)  # the entry written again, under the new plan
+    finally:
+        fixed_choice.cache_clear()
+    assert torch.equal(got, want)
+    assert {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)} >= {"dequantise"}
+    assert "int4pack" not in {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}

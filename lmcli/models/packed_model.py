@@ -120,7 +120,8 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
 
     choices = {kind: KernelChoice(**fields) for kind, fields in header["kernel_choices"].items()}
     for kind, choice in choices.items():  # the plan this process would choose (a re-probe may change it)
-        if kernel_plan(kind, DTYPES[choice.dtype], "cpu").kernel != choice.kernel:
+        plan = kernel_plan(kind, DTYPES[choice.dtype], "cpu")
+        if (plan.kernel, plan.large_rows) != (choice.kernel, choice.large_rows):
             raise Damaged(f"the {kind} kernel plan changed")
     classes = _kernel_classes()
     kernels = []
