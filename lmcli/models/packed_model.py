@@ -24,6 +24,15 @@ class Damaged(ValueError):
     """An entry that is not what this format writes, or does not fit the model."""
 
 
+def _module_classes() -> dict[str, Any]:
+    from lmcli.models.linear import QuantEmbedding, QuantHead, QuantLinear
+
+    return {cls.__name__: cls for cls in (QuantLinear, QuantHead, QuantEmbedding)}
+
+
+MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # what a load sets on the model
+
+
 def _kernel_classes() -> dict[str, Any]:
     from lmcli.models.kernels import DequantiseKernel, Int4PackKernel
 
@@ -92,9 +101,11 @@ def describe(model: nn.Module) -> tuple[dict[str, Any], list[torch.Tensor]]:
                 kernel_index[id(kernel)] = len(kernels)
                 kernels.append({"class": classes[type(kernel)], "settings": settings, "buffers": buffers,
                                 "none": [name for name, b in kernel._buffers.items() if b is None]})
-            kind = "QuantLinear" if isinstance(module, QuantLinear) else "QuantEmbedding"
-            modules.append({"path": path, "type": kind, "kernel": kernel_index[id(kernel)],
-                            "large_rows": module.large_rows})
+            if type(module).__name__ not in _module_classes():
+                raise ValueError(f"a module of type {type(module).__name__}")
+            settings = {k: _plain(v) for k, v in vars(module).items() if not k.startswith("_")}
+            modules.append({"path": path, "type": type(module).__name__, "kernel": kernel_index[id(kernel)],
+                            "settings": settings})
     parameters = {name: stored(p) for name, p in model.named_parameters(remove_duplicate=False)
                   if not _inside_kernel(name)}
     buffers = {name: stored(b) for name, b in model.named_buffers(remove_duplicate=False) if not _inside_kernel(name)}
@@ -103,7 +114,8 @@ def describe(model: nn.Module) -> tuple[dict[str, Any], list[torch.Tensor]]:
 
     choices = {kind: asdict(choice) for kind, choice in getattr(model, "kernel_choices", {}).items()}
     return {"modules": modules, "paths": paths, "kernels": kernels, "parameters": parameters, "buffers": buffers,
-            "kernel_choices": choices, "batch_invariant": bool(getattr(model, "batch_invariant", False))}, tensors
+            "kernel_choices": choices, "batch_invariant": bool(getattr(model, "batch_invariant", False)),
+            "activation_dtype": _plain(getattr(model, "activation_dtype", None))}, tensors
 
 
 def _inside_kernel(name: str) -> bool:
@@ -112,7 +124,8 @@ def _inside_kernel(name: str) -> bool:
 
 def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -> None:
     from lmcli.models.kernel_plan import KernelChoice, kernel_plan
-    from lmcli.models.linear import QuantEmbedding, QuantLinear
+
+    module_classes = _module_classes()
 
     def tensor(ref: dict[str, Any]) -> torch.Tensor:
         view = views[ref["tensor"]]
@@ -149,13 +162,14 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
         parent, leaf = parent_of(entry["path"])
         if entry["type"] is None:
             setattr(parent, leaf, None)
-        elif entry["type"] == "QuantLinear":
-            kernel = kernels[entry["kernel"]]
-            setattr(parent, leaf, QuantLinear(kernel, None, entry["large_rows"]))
-        elif entry["type"] == "QuantEmbedding":
-            setattr(parent, leaf, QuantEmbedding(kernels[entry["kernel"]], entry["large_rows"]))
-        else:
-            raise Damaged(f"unknown module type {entry['type']!r}")
+        else:  # a module of models/linear.py, its settings as recorded, over its kernel
+            cls = module_classes[entry["type"]]
+            module = cls.__new__(cls)
+            nn.Module.__init__(module)
+            for name, value in entry["settings"].items():
+                setattr(module, _settable(cls, name), _unplain(value))
+            module.kernel = kernels[entry["kernel"]]
+            setattr(parent, leaf, module)
     keep = set(header["paths"])
     for path, _ in sorted(model.named_modules(remove_duplicate=False), key=lambda item: -item[0].count(".")):
         if path and path not in keep:
@@ -180,6 +194,7 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
         raise Damaged("parameters differ from the model's")
     setattr(model, "kernel_choices", choices)  # noqa: B010  (plain attributes of BaseModel, not modules)
     setattr(model, "batch_invariant", bool(header["batch_invariant"]))  # noqa: B010
+    setattr(model, "activation_dtype", _unplain(header["activation_dtype"]))  # noqa: B010
     model.eval()
 
 
