@@ -304,3 +304,19 @@ def test_an_entry_made_under_another_kernel_plan_is_stale(tiny_gguf, cache, capf
     assert torch.equal(got, want)
     assert {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)} >= {"dequantise"}
     assert "int4pack" not in {m.kernel.name for m in model.modules() if isinstance(m, QuantLinear)}
+
+
+@pytest.mark.full  # ten whole processes on the default model
+def test_the_startup_bench_section_times_each_kind_of_start(smollm2_gguf, cache, capsys):
+    from rich.console import Console
+
+    from lmcli.bench_settings import BenchSettings
+    from lmcli.bench_startup import measure, report
+    from lmcli.model_ref import resolve_model
+
+    result = measure(BenchSettings(repeats=1, prefill_tokens=16), resolve_model(smollm2_gguf), lambda line: None)
+    ran = set(result["seconds"])
+    assert {"import torch", "lmcli, from the GGUF", "lmcli, packed entry"} <= ran, ran  # every command succeeded
+    assert result["first_start"] is not None and result["prefill"]["tokens_per_second"] > 0
+    report(result, Console(file=sys.stdout, width=200))
+    assert "lmcli, packed entry" in capsys.readouterr().out
