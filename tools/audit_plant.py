@@ -1,0 +1,113 @@
+"""The planted-bug audit (docs/testing.md): plant each bug of tools/audit_plants.py in turn, run the tests
+relevant to its module, and record whether they caught it.
+
+    python tools/audit_plant.py                  # every plant, existing tests and the audit's own
+    python tools/audit_plant.py --without-audit  # as before the audit's tests (tests/test_audit_*.py) existed
+    python tools/audit_plant.py --only C4 S8     # some plants
+    python tools/audit_plant.py --survivors results.json  # only those that survived in an earlier run
+
+Each plant replaces one exact piece of one line of a file under lmcli/ (it must occur exactly once), the
+file is compiled (a plant that does not compile is a mistake in the list, not a catch), the tests run
+with `-x -q` under a timeout, and the file is written back as it was, whatever happens. Results go to
+a JSON file (--out) and a table on stdout. Run it in a clean checkout: it refuses a file with
+uncommitted changes, so a plant can never be committed by accident.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from audit_plants import AREAS, PLANTS, Plant  # noqa: E402 (after the path it is found on)
+
+
+def _tests_for(plant: Plant, with_audit: bool) -> list[str]:
+    tests = list(plant.tests or AREAS[plant.area])
+    if with_audit:
+        tests += sorted(str(Path(p).relative_to(ROOT)) for p in glob.glob(str(ROOT / "tests" / f"test_audit_{plant.area}*.py")))
+    return tests
+
+
+def _clean(path: Path) -> bool:
+    status = subprocess.run(["git", "status", "--porcelain", "--", str(path)], cwd=ROOT, capture_output=True, text=True)
+    return status.returncode == 0 and not status.stdout.strip()
+
+
+def run_plant(plant: Plant, with_audit: bool, timeout: int) -> dict:
+    path = ROOT / plant.file
+    original = path.read_text(encoding="utf-8")
+    record = {"id": plant.id, "area": plant.area, "file": plant.file, "old": plant.old, "new": plant.new,
+              "effect": plant.effect}
+    if original.count(plant.old) != 1:
+        return {**record, "outcome": "bad plant", "detail": f"found {original.count(plant.old)} times"}
+    if not _clean(path):
+        return {**record, "outcome": "bad plant", "detail": "the file has uncommitted changes"}
+    tests = _tests_for(plant, with_audit)
+    started = time.monotonic()
+    try:
+        path.write_text(original.replace(plant.old, plant.new), encoding="utf-8")
+        try:
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")
+        except SyntaxError as e:
+            return {**record, "outcome": "bad plant", "detail": f"does not compile: {e}"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
+        command = ["timeout", str(timeout), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                   *plant.pytest_args, *tests]
+        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    finally:
+        path.write_text(original, encoding="utf-8")
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    failed = next((line for line in lines if line.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
+    outcome = {0: "survived", 124: "timeout", 5: "no tests"}.get(result.returncode, "caught")
+    return {**record, "outcome": outcome, "detail": failed[:200], "seconds": round(time.monotonic() - started, 1),
+            "tests": tests}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="plant ids")
+    parser.add_argument("--area", nargs="*", help="areas")
+    parser.add_argument("--survivors", type=Path, help="a results file: run only the plants it says survived")
+    parser.add_argument("--without-audit", action="store_true", help="leave out tests/test_audit_*.py")
+    parser.add_argument("--timeout", type=int, default=420, help="seconds per plant's tests")
+    parser.add_argument("--out", type=Path, default=Path("audit_results.json"))
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so a stopped run still puts the file back
+
+    plants = PLANTS
+    if args.only:
+        plants = [p for p in plants if p.id in args.only]
+    if args.area:
+        plants = [p for p in plants if p.area in args.area]
+    if args.survivors:
+        survived = {r["id"] for r in json.loads(args.survivors.read_text()) if r["outcome"] != "caught"}
+        plants = [p for p in plants if p.id in survived]
+    results = []
+    for plant in plants:
+        result = run_plant(plant, not args.without_audit, args.timeout)
+        results.append(result)
+        print(f"{plant.id:5} {result['outcome']:9} {result.get('seconds', 0):6}s  {plant.effect[:70]}", flush=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    by_area: dict[str, list[int]] = {}
+    for result in results:
+        counts = by_area.setdefault(result["area"], [0, 0])
+        counts[0] += 1
+        counts[1] += result["outcome"] != "caught"
+    print("\n| area | planted | not caught |\n|---|---|---|")
+    for area, (planted, missed) in by_area.items():
+        print(f"| {area} | {planted} | {missed} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
