@@ -63,12 +63,19 @@ def run_plant(plant: Plant, with_audit: bool, timeout: int) -> dict:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         command = ["timeout", str(timeout), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                    *plant.pytest_args, *tests]
-        result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        # A session of its own, so that a stopped audit stops its tests too (and the file goes back).
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True)
+        try:
+            stdout, _ = process.communicate()
+        except BaseException:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
     finally:
         path.write_text(original, encoding="utf-8")
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    lines = [line for line in stdout.splitlines() if line.strip()]
     failed = next((line for line in lines if line.startswith(("FAILED", "ERROR"))), lines[-1] if lines else "")
-    outcome = {0: "survived", 124: "timeout", 5: "no tests"}.get(result.returncode, "caught")
+    outcome = {0: "survived", 124: "timeout", 5: "no tests"}.get(process.returncode, "caught")
     return {**record, "outcome": outcome, "detail": failed[:200], "seconds": round(time.monotonic() - started, 1),
             "tests": tests}
 
@@ -77,9 +84,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="plant ids")
     parser.add_argument("--area", nargs="*", help="areas")
+    parser.add_argument("--start", help="the plant id to start from (the list's order)")
     parser.add_argument("--survivors", type=Path, help="a results file: run only the plants it says survived")
     parser.add_argument("--without-audit", action="store_true", help="leave out tests/test_audit_*.py")
-    parser.add_argument("--timeout", type=int, default=420, help="seconds per plant's tests")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per plant's tests")
     parser.add_argument("--out", type=Path, default=Path("audit_results.json"))
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so a stopped run still puts the file back
@@ -89,6 +97,8 @@ def main() -> int:
         plants = [p for p in plants if p.id in args.only]
     if args.area:
         plants = [p for p in plants if p.area in args.area]
+    if args.start:
+        plants = plants[[p.id for p in plants].index(args.start):]
     if args.survivors:
         survived = {r["id"] for r in json.loads(args.survivors.read_text()) if r["outcome"] != "caught"}
         plants = [p for p in plants if p.id in survived]

@@ -45,7 +45,10 @@ DI, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs.py", "lmcli/job_input.py", 
 CO, SP, TH = "lmcli/generation/constraints.py", "lmcli/generation/speculative.py", "lmcli/threads.py"
 ED, EDR, EDC = "lmcli/models/encoder_decoder.py", "lmcli/models/encoder_decoder_run.py", "lmcli/models/encoder_decoder_config.py"
 T5, BA = "lmcli/models/t5.py", "lmcli/models/bart.py"
-OPENAI_AND_STRUCTURED = (*AREAS["openai"], "tests/test_structured_cli.py")
+OPENAI_AND_STRUCTURED = (*AREAS["openai"], "tests/test_structured_cli.py::test_openai_batch_response_format")
+# The fingerprint and resume-by-model tests live with the OpenAI batch tests.
+FINGERPRINTS = (*AREAS["names"], "tests/test_openai_batch.py::test_fingerprint_follows_content_not_place",
+                "tests/test_openai_batch.py::test_resume_refuses_another_model_and_accepts_a_copy")
 SETTINGS_AND_JOBS = (*AREAS["settings"], *AREAS["jobs"], "tests/test_openai_batch.py")
 
 PLANTS = [
@@ -160,16 +163,20 @@ PLANTS = [
           "return min(candidates, key=lambda d: d.stat().st_mtime, default=None)",
           "without refs/main the oldest snapshot is used"),
     Plant("N7", "names", FP, " for i in range(1, SAMPLED_CHUNKS)] + [size - CHUNK_BYTES]:", " for i in range(1, SAMPLED_CHUNKS)]:",
-          "a change in a large weights file's last MiB keeps the fingerprint: resume accepts another model"),
+          "a change in a large weights file's last MiB keeps the fingerprint: resume accepts another model",
+          tests=FINGERPRINTS),
     Plant("N8", "names", FP, 'files = [tokenizer_path, tokenizer_path.parent / "tokenizer_config.json"]', "files = [tokenizer_path]",
-          "a --tokenizer's chat template (tokenizer_config.json) is left out of the fingerprint"),
+          "a --tokenizer's chat template (tokenizer_config.json) is left out of the fingerprint",
+          tests=FINGERPRINTS),
     Plant("N9", "names", FP, "        add(path.suffix, path)\n", "        add(path.name, path)\n",
-          "a renamed copy of a .gguf has another fingerprint: resume refuses it"),
+          "a renamed copy of a .gguf has another fingerprint: resume refuses it",
+          tests=FINGERPRINTS),
     Plant("N10", "names", MR, "return read_model_defaults(self.path)", "return read_model_defaults(self.checkpoint_dir)",
           "a GGUF's general.sampling defaults are ignored"),
     Plant("N11", "names", MR, "return checkpoint_fingerprint(self.path, self.tokenizer_path, self.preset)",
           "return checkpoint_fingerprint(self.path, None, self.preset)",
-          "--tokenizer is left out of the fingerprint: resume accepts rows made with another tokenizer"),
+          "--tokenizer is left out of the fingerprint: resume accepts rows made with another tokenizer",
+          tests=FINGERPRINTS),
     # --- quantized kernels and the kernel plan
     Plant("K1", "kernels", KE, "slab = max(1, (1 << 20) // self.columns // self.layout.block) * self.layout.block",
           "slab = max(1, (1 << 20) // self.columns // self.layout.block)",
@@ -207,7 +214,8 @@ PLANTS = [
     Plant("J2", "jobs", JO, "        if key in finished:\n", "        if key in kept:\n",
           "an output with one id on two complete lines is resumed instead of refused"),
     Plant("J3", "jobs", JO, 'm.get("fingerprint") != model_record["fingerprint"]', 'm.get("name") != model_record["name"]',
-          "--resume with another model under the same name is accepted"),
+          "--resume with another model under the same name is accepted",
+          tests=(*AREAS["jobs"], FINGERPRINTS[-1])),
     Plant("J4", "jobs", JO, 'open(self._write_to, "a" if self.resume else "w"', 'open(self._write_to, "w"',
           "--resume truncates the rows already finished"),
     Plant("J5", "jobs", JO, "        if id_key(row.id) not in finished_ids:\n", "        if row.id not in finished_ids:\n",
