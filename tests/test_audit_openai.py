@@ -1,12 +1,15 @@
 """OpenAI batch request fields a user can write and the earlier tests did not read (found by the planted-bug
 audit, docs/testing.md): `top_logprobs` without `"logprobs": true`, completions `"logprobs": 0`, a
-`prompt` list, chat content given as text parts.
+`prompt` list, chat content given as text parts, and `response_format` judged without a real model
+(its text parsed by `json` and validated by the `jsonschema` library).
 
 One job runs every row; each answer is checked against OpenAI's rules written out here and against
 `model.generate` called directly on transformers' token ids (test_openai_batch_fields.greedy).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
@@ -21,6 +24,7 @@ def parts(custom_id, texts, **body):
             "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": t} for t in texts]}], **body}}
 
 
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "additionalProperties": False}
 ROWS = [
     chat("top-without-logprobs", "Hello", temperature=0, max_tokens=2, logprobs=False, top_logprobs=2),
     chat("top-alone", "Hello", temperature=0, max_tokens=2, top_logprobs=2),
@@ -28,6 +32,9 @@ ROWS = [
     completion("two-prompts", ["Hello", "Once upon a time"], temperature=0, max_tokens=2),
     completion("one-prompt-list", ["Hello there"], temperature=0, max_tokens=3),
     parts("text-parts", ["Hello ", "there"], temperature=0, max_tokens=4),
+    chat("json-object", "Hello", temperature=0, response_format={"type": "json_object"}),
+    chat("json-schema", "Hello", temperature=0,
+         response_format={"type": "json_schema", "json_schema": {"name": "point", "strict": True, "schema": SCHEMA}}),
 ]
 
 
@@ -76,3 +83,17 @@ def test_text_parts_are_the_message_as_written(answers, greedy):
     """Content parts join with nothing between them (OpenAI's reading): the model sees "Hello there"."""
     [choice] = answers["text-parts"]["response"]["body"]["choices"]
     assert choice["message"]["content"] == greedy("Hello there", 4, chat_form=True)["text"]
+
+
+@pytest.mark.parametrize(("custom_id", "schema"), [("json-object", {"type": "object"}), ("json-schema", SCHEMA)])
+def test_response_format_is_enforced(answers, custom_id, schema):
+    """The text is JSON of the schema (whole when the row ended by itself, else a start of it)."""
+    import jsonschema
+
+    row = answers[custom_id]
+    assert row["error"] is None, row["error"]
+    [choice] = row["response"]["body"]["choices"]
+    content = choice["message"]["content"]
+    assert content.startswith("{"), content
+    if choice["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(content), schema)
