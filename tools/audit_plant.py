@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from audit_plants import AREAS, PLANTS, Plant  # noqa: E402 (after the path it is found on)
+from audit_plants import AREA_ARGS, AREAS, PLANTS, Plant  # noqa: E402 (after the path it is found on)
 
 
 def _tests_for(plant: Plant, with_audit: bool) -> list[str]:
@@ -62,7 +62,7 @@ def run_plant(plant: Plant, with_audit: bool, timeout: int) -> dict:
             return {**record, "outcome": "bad plant", "detail": f"does not compile: {e}"}
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONDONTWRITEBYTECODE": "1"}
         command = ["timeout", str(timeout), sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                   *plant.pytest_args, *tests]
+                   *(plant.pytest_args or AREA_ARGS.get(plant.area, ())), *tests]
         # A session of its own, so that a stopped audit stops its tests too (and the file goes back).
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                    text=True, start_new_session=True)
