@@ -111,10 +111,10 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so a stopped run still puts the file back
 
     plants = PLANTS
-    if args.only:
-        plants = [p for p in plants if p.id in args.only]
+    if args.only:  # in the order given
+        plants = [p for wanted in args.only for p in plants if p.id == wanted]
     if args.area:
-        plants = [p for p in plants if p.area in args.area]
+        plants = [p for wanted in args.area for p in plants if p.area == wanted]
     if args.start:
         plants = plants[[p.id for p in plants].index(args.start):]
     if args.survivors:
