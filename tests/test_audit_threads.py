@@ -10,8 +10,10 @@ from lmcli import threads
 
 
 @pytest.mark.parametrize("cpus, ranks", [(2, 2), (8, 2), (16, 4)])
-def test_ranks_sharing_a_quiet_machine_sleep_when_idle(cpus, ranks):
-    fake = threads.Machine(cpus=cpus, host_cpus=cpus, load=ranks - 1, runnable=ranks, local_ranks=ranks)
+@pytest.mark.parametrize("started", [False, True])  # the other ranks not yet running, or already counted
+def test_ranks_sharing_a_quiet_machine_sleep_when_idle(cpus, ranks, started):
+    load, runnable = (ranks - 1, ranks) if started else (0.0, 1)
+    fake = threads.Machine(cpus=cpus, host_cpus=cpus, load=load, runnable=runnable, local_ranks=ranks)
     choice = threads.choose(fake, {})
     assert choice.env == {"OMP_NUM_THREADS": str(cpus // ranks), "OMP_WAIT_POLICY": "PASSIVE"}
 
