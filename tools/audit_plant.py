@@ -4,6 +4,7 @@ relevant to its module, and record whether they caught it.
     python tools/audit_plant.py                  # every plant, existing tests and the audit's own
     python tools/audit_plant.py --mode before    # as before the audit's tests (tests/test_audit_*.py) existed
     python tools/audit_plant.py --mode both      # before, then the audit's tests alone on each survivor
+    python tools/audit_plant.py --mode quick     # the audit's tests first, the earlier ones only if needed
     python tools/audit_plant.py --only C4 S8     # some plants
     python tools/audit_plant.py --survivors results.json  # only those that survived in an earlier run
 
@@ -85,6 +86,14 @@ def run_plant(plant: Plant, mode: str, timeout: int) -> dict:
             compile(path.read_text(encoding="utf-8"), str(path), "exec")
         except SyntaxError as e:
             return {**record, "outcome": "bad plant", "detail": f"does not compile: {e}"}
+        if mode == "quick":  # the audit's tests first (fast); the earlier tests only if they pass
+            audit = _audit_tests(plant)
+            after, after_detail = _run_tests(plant, audit, timeout) if audit else ("survived", "")
+            if after != "caught":
+                after, after_detail = _run_tests(plant, _tests_for(plant, False), timeout)
+            before = after if after != "caught" or not audit else "not run"
+            record.update(outcome=before, detail="", after=after, after_detail=after_detail, audit_tests=audit)
+            return record
         outcome, detail = _run_tests(plant, tests, timeout)
         record.update(outcome=outcome, detail=detail, tests=tests)
         if mode == "both":
@@ -102,9 +111,10 @@ def main() -> int:
     parser.add_argument("--area", nargs="*", help="areas")
     parser.add_argument("--start", help="the plant id to start from (the list's order)")
     parser.add_argument("--survivors", type=Path, help="a results file: run only the plants it says survived")
-    parser.add_argument("--mode", choices=("after", "before", "both", "audit"), default="after",
+    parser.add_argument("--mode", choices=("after", "before", "both", "audit", "quick"), default="after",
                         help="after: every relevant test; before: without tests/test_audit_*.py; both: before, "
-                             "then the audit's tests alone on what survived; audit: the audit's tests alone")
+                             "then the audit's tests alone on what survived; audit: the audit's tests alone; quick: the "
+                             "audit's tests, then the earlier ones only if the plant survived them (no 'before')")
     parser.add_argument("--timeout", type=int, default=300, help="seconds per plant's tests")
     parser.add_argument("--out", type=Path, default=Path("audit_results.json"))
     args = parser.parse_args()
