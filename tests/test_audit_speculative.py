@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_speculative import grounded, plain
-from tiny import left_pad
+from tiny import left_pad, prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,10 +48,27 @@ def test_the_length_is_max_new_tokens_whatever_the_guess(tiny_models, n):
 
 
 def test_end_of_text_inside_a_taken_guess_ends_the_row(tiny_models):
+    """The text is forced (by a processor both paths apply) to continue the passage the prompt repeats, so
+    every guess is taken; an end-of-text token in the middle of a taken guess must end the row there."""
     model = tiny_models("llama")
-    ids = grounded(9, 3)[None]
-    free = plain(model, ids, 16)[0, ids.shape[1]:].tolist()
-    for eos in dict.fromkeys(free[1:8]):  # tokens the text reaches early, likely inside a guess
-        expected = plain(model, ids, 16, eos_token_id=eos)
-        got = model.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup=8, eos_token_id=eos)
-        assert torch.equal(got, expected), eos
+    passage = prompts([12], seed=3)[0].tolist()
+    prompt = [*passage, 40, 41, 42, *passage[:3]]  # the latest 3-gram recurs: lookup guesses passage[3:]
+    target = passage[3:]
+
+    def follow_the_passage(ids, scores):
+        step = ids.shape[1] - len(prompt)
+        scores = scores.clone()
+        if step < len(target):
+            scores[:, target[step]] += 100.0
+        return scores
+
+    for at in (2, 4):
+        eos = target[at]
+        if eos in target[:at]:
+            continue
+        kwargs = dict(eos_token_id=eos, logits_processors=[follow_the_passage])
+        ids = torch.tensor([prompt])
+        expected = plain(model, ids, 8, **kwargs)
+        assert expected[0, len(prompt):].tolist() == target[: at + 1]
+        got = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup=8, **kwargs)
+        assert torch.equal(got, expected), at
