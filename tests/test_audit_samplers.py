@@ -9,6 +9,7 @@ compared with transformers' processor of the same name, or with torch.Generator 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -38,7 +39,7 @@ def test_top_p_at_an_exact_cut_equals_transformers(top_p):
 @pytest.mark.parametrize("min_p", [0.25, 0.5])
 def test_min_p_at_an_exact_floor_equals_transformers(min_p):
     logits = exact_logits(0.5, 0.25, 0.125, 0.125)
-    ids = torch.zeros(1, 1, dtype=torch.long)
+    ids: Any = torch.zeros(1, 1, dtype=torch.long)  # transformers types it LongTensor
     want = MinPLogitsWarper(min_p)(ids, logits.clone())
     assert torch.equal(MinP(min_p)(ids, logits.clone()), want)
 
