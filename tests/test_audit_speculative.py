@@ -72,3 +72,20 @@ def test_end_of_text_inside_a_taken_guess_ends_the_row(tiny_models):
         assert expected[0, len(prompt):].tolist() == target[: at + 1]
         got = model.generate(ids, max_new_tokens=8, do_sample=False, prompt_lookup=8, **kwargs)
         assert torch.equal(got, expected), at
+
+
+def test_processors_see_a_padded_rows_pads_as_plain_decoding_shows_them(tiny_models):
+    """Whatever value fills a row's pad slots, processors that read the text (a repetition penalty) see
+    what the plain loop shows them, so a pad value that is also the row's best next token changes nothing."""
+    from lmcli.generation.sampling import RepetitionPenalty
+
+    model = tiny_models("llama")
+    long_row, short_row = grounded(8, 7), grounded(3, 11)
+    penalty = [RepetitionPenalty(8.0)]
+    best = plain(model, short_row[None], 1, logits_processors=penalty)[0, -1].item()
+    assert best not in short_row.tolist()  # else the penalty applies to it anyway (not with these seeds)
+    ids, mask = left_pad([long_row, short_row], pad=best)
+    kwargs = dict(attention_mask=mask, eos_token_id=None, pad_token_id=0, logits_processors=penalty)
+    expected = plain(model, ids, 10, **kwargs)
+    got = model.generate(ids, max_new_tokens=10, do_sample=False, prompt_lookup=4, **kwargs)
+    assert torch.equal(got, expected)
