@@ -89,9 +89,10 @@ def run_plant(plant: Plant, mode: str, timeout: int) -> dict:
         if mode == "quick":  # the audit's tests first (fast); the earlier tests only if they pass
             audit = _audit_tests(plant)
             after, after_detail = _run_tests(plant, audit, timeout) if audit else ("survived", "")
+            before = "not run"  # when the audit's tests catch it, the earlier ones are not asked
             if after != "caught":
                 after, after_detail = _run_tests(plant, _tests_for(plant, False), timeout)
-            before = after if after != "caught" or not audit else "not run"
+                before = after
             record.update(outcome=before, detail="", after=after, after_detail=after_detail, audit_tests=audit)
             return record
         outcome, detail = _run_tests(plant, tests, timeout)
