@@ -280,6 +280,6 @@ PLANTS = [
           "lmcli counts itself as busy: one thread too few on a quiet machine"),
     Plant("H2", "threads", TH, "threads = max(machine.cpus - busy, 1)", "threads = machine.cpus - busy",
           "on a fully busy machine OMP_NUM_THREADS=0"),
-    Plant("H3", "threads", TH, "elif busy or machine.local_ranks > 1:", "elif busy:",
+    Plant("H3", "threads", TH, "elif not follows_load and (busy or machine.local_ranks > 1):", "elif not follows_load and busy:",
           "torchrun ranks sharing a quiet machine spin against each other"),
 ]
