@@ -1,0 +1,78 @@
+"""Job rows the earlier tests did not exercise (found by the planted-bug audit, docs/testing.md): an input
+that starts with a UTF-8 byte order mark, rows without an id, rows of different max_new_tokens sharing
+a batch, and a prompt longer than the model's context.
+
+One job runs them all; each completion is compared with `model.generate` called directly on
+transformers' token ids, and each id and length with the values this test wrote.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from typer.testing import CliRunner
+
+from lmcli.cli import app
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CONTEXT = 512  # cli_fixtures' tiny Llama: max_position_embeddings
+LONG = "The quick brown fox jumps over the lazy dog. " * 60  # well past the context
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    """(prompt ids, greedy new ids) from model.generate with transformers' tokenizer, EOS ignored."""
+    import transformers
+
+    import lmcli
+
+    model, _ = lmcli.load(tiny_checkpoint)
+    hf = transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+    def run(prompt: str, n: int, keep: int | None = None):
+        ids = list(hf(prompt)["input_ids"])
+        if keep is not None:
+            ids = ids[-keep:]
+        out = model.generate(torch.tensor([ids]), n, do_sample=False)
+        new = out[0, len(ids):].tolist()
+        return ids, new, hf.decode(ids + new)[len(hf.decode(ids)):]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory, tiny_checkpoint):
+    directory = tmp_path_factory.mktemp("job")
+    source, out = directory / "in.jsonl", directory / "out.jsonl"
+    lines = [{"prompt": "Hello there", "max_new_tokens": 2}, {"prompt": "Hello there", "max_new_tokens": 6},
+             {"id": "long", "prompt": LONG, "max_new_tokens": 3}]
+    source.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in lines).encode())
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--greedy", "--ignore-eos",
+                                      "--input", str(source), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    return {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+
+
+def test_a_byte_order_mark_and_rows_without_ids(rows):
+    """The first row is read past the BOM; rows without an id take their 1-based line numbers."""
+    assert set(rows) == {1, 2, "long"}
+    assert rows[1]["prompt"] == "Hello there" and "error" not in rows[1]
+
+
+def test_rows_of_different_lengths_in_one_batch_each_get_their_own(rows, reference):
+    for row_id, n in ((1, 2), (2, 6)):
+        ids, _, text = reference("Hello there", n)
+        row = rows[row_id]
+        assert (row["completion_tokens"], row["finish_reason"], row["prompt_tokens"]) == (n, "length", len(ids))
+        assert row["completion"] == text
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_end(rows, reference):
+    """The start is dropped, leaving room for max_new_tokens: the model sees the prompt's last 509 tokens."""
+    _, _, text = reference(LONG, 3, keep=CONTEXT - 3)
+    row = rows["long"]
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (CONTEXT - 3, 3)
+    assert row["completion"] == text
