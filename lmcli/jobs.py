@@ -212,6 +212,7 @@ class JobReport:
     tokens: int = 0
     seconds: float = 0.0
     orphans: list[str] = field(default_factory=list)  # ids in the output that the input no longer has
+    continuous: Any = None  # generation.continuous.ContinuousStats when the rows ran continuously
 
 
 @holding_output_lock  # one writer per --output: a second job is refused, naming the first one's pid
@@ -325,8 +326,8 @@ def run_job(
                 write_error(by_key[id_key(row.id)], message)
                 progress.advance()
 
-            for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
-                _generate_isolating_failures(model, tokenizer, batch, done, failed)
+            report.continuous = _generate_rows(model, tokenizer, prepared, batch_size or default_batch_size(model),
+                                               done, failed)
     finally:
         progress.close()
         output.close()
@@ -377,6 +378,28 @@ def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path,
             )
     input_keys = {id_key(row.id) for row in rows}
     return [key for key in finished if key not in input_keys]
+
+
+def _generate_rows(model, tokenizer, rows: list[PreparedRow], batch_size: int, done, failed) -> Any:
+    """Every row: continuously (generation/continuous.py) where use_continuous says so, returning its
+    stats, else in planned batches (None)."""
+    from lmcli.generation.continuous import ContinuousRun, use_continuous
+
+    if not use_continuous(model):
+        for batch in plan_batches(rows, batch_size):
+            _generate_isolating_failures(model, tokenizer, batch, done, failed)
+        return None
+    from lmcli.generation.prefix_cache import PrefixCache
+
+    def isolate(stranded: list[PreparedRow]) -> None:
+        for row in stranded:
+            _generate_isolating_failures(model, tokenizer, [row], done, failed)
+
+    run = ContinuousRun(model, tokenizer, batch_size, on_done=done, alone=lambda row: isolate([row]),
+                        prefix_cache=PrefixCache())
+    run.run(rows, isolate, errors=(ValueError, RuntimeError, LmcliError))
+    run.stats.prefix_evicted = run.prefix_cache.stats.evicted if run.prefix_cache is not None else 0
+    return run.stats
 
 
 def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:
