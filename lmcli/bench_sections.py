@@ -18,6 +18,7 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "job": "lmcli.bench_job",
 }
 DEFAULT_SECTIONS = ("engines",)
 

@@ -61,7 +61,7 @@ def alone(model, tokenizer, row) -> list[int]:
     """The row's new tokens from `model.generate` on it by itself."""
     s = row.settings
     temperature, top_p = (1.0 if s.greedy else s.temperature), (s.top_p if s.top_p != 1.0 else None)
-    processors = None
+    processors: list | None = None
     if s.repetition_penalty not in (None, 1.0):  # before temperature and top-p, as transformers orders them
         processors = [RepetitionPenalty(s.repetition_penalty)]
         if not s.greedy:
