@@ -41,6 +41,19 @@ def window_checkpoint(tmp_path_factory):
     return directory
 
 
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint, window_checkpoint):
+    """name -> (model, tokenizer), int4 so that rows are batch-invariant; each loaded once."""
+    models: dict = {}
+
+    def get(name: str):
+        if name not in models:
+            models[name] = lmcli.load(tiny_checkpoint if name == "llama" else window_checkpoint, quantize="int4")
+        return models[name]
+
+    return get
+
+
 def job_rows(tokenizer, count: int, *, long: bool = False):
     """Rows with their own settings (greedy, sampled at other temperatures and top-p, a repetition
     penalty), lengths and seeds, all starting with the same words."""
@@ -83,9 +96,8 @@ def continuously(model, tokenizer, rows, batch_size: int, prefix_cache=None):
 
 
 @pytest.mark.parametrize("case", ["llama", "window"])
-def test_rows_entering_and_leaving_give_their_single_run_tokens(case, tiny_checkpoint, window_checkpoint,
-                                                                  monkeypatch):
-    model, tokenizer = lmcli.load(tiny_checkpoint if case == "llama" else window_checkpoint, quantize="int4")
+def test_rows_entering_and_leaving_give_their_single_run_tokens(case, loaded, monkeypatch):
+    model, tokenizer = loaded(case)
     assert model.batch_invariant
     # Columns just twice the longest row: they fill up and move left while rows are in flight.
     monkeypatch.setattr(continuous, "MIN_CAPACITY", 0)
@@ -98,8 +110,8 @@ def test_rows_entering_and_leaving_give_their_single_run_tokens(case, tiny_check
     assert len({row.settings.max_new_tokens for row in rows}) > 5  # rows left at many different steps
 
 
-def test_shared_prefix_gives_what_no_prefix_gives(window_checkpoint):
-    model, tokenizer = lmcli.load(window_checkpoint, quantize="int4")
+def test_shared_prefix_gives_what_no_prefix_gives(loaded):
+    model, tokenizer = loaded("window")
     rows = job_rows(tokenizer, 9)
     without, plain = continuously(model, tokenizer, rows, 3)
     prefix = PrefixCache(block=4)
@@ -111,10 +123,10 @@ def test_shared_prefix_gives_what_no_prefix_gives(window_checkpoint):
     assert stats.prefill_computed <= stats.prefill_requested - (len(rows) - 1) * (shared - 4)
 
 
-def test_prefix_cache_memory_bound_and_eviction(tiny_checkpoint):
+def test_prefix_cache_memory_bound_and_eviction(loaded):
     from lmcli.models.cache import KVCache, ModelCache
 
-    model, _ = lmcli.load(tiny_checkpoint, quantize="int4")
+    model, _ = loaded("llama")
     config = model.config
 
     def filled(ids):
@@ -161,3 +173,25 @@ def test_real_default_model_rows_entering_and_leaving(smollm2_gguf):
     for row in rows:
         assert got[row.id] == alone(model, tokenizer, row), row.id
     assert stats.prefill_computed < stats.prefill_requested
+
+
+def test_rows_are_taken_as_places_free_up(loaded):
+    """The scheduler pulls a row only when a place is free: a job's input is read as it is consumed."""
+    model, tokenizer = loaded("llama")
+    pool = job_rows(tokenizer, 12)
+    pulled = []
+
+    def source():
+        for row in pool:
+            pulled.append(row.id)
+            yield row
+
+    finished: list = []
+
+    def on_done(result):
+        finished.append(result.row.id)
+        assert len(pulled) <= len(finished) + 3  # the rows in flight, and no more
+
+    run = ContinuousRun(model, tokenizer, 3, on_done=on_done, alone=lambda row: pytest.fail("alone"))
+    run.run(source(), lambda stranded: pytest.fail("failed"))
+    assert sorted(finished) == list(range(12))
