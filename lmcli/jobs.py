@@ -409,14 +409,14 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
         for batch in plan_batches(list(rows), batch_size):
             _generate_isolating_failures(model, tokenizer, batch, done, failed)
         return None
-    from lmcli.generation.prefix_cache import PrefixCache
+    from lmcli.generation.prefix_cache import prefix_cache_for
 
     def isolate(stranded: list[PreparedRow]) -> None:
         for row in stranded:
             _generate_isolating_failures(model, tokenizer, [row], done, failed)
 
     run = ContinuousRun(model, tokenizer, batch_size, on_done=done, alone=lambda row: isolate([row]),
-                        prefix_cache=PrefixCache())
+                        prefix_cache=prefix_cache_for(model))
     run.run(rows, isolate, errors=(ValueError, RuntimeError, LmcliError))
     run.stats.prefix_evicted = run.prefix_cache.stats.evicted if run.prefix_cache is not None else 0
     return run.stats

@@ -12,9 +12,10 @@ from cli_fixtures import build_tokenizer, tiny_checkpoint  # noqa: F401 (fixture
 from real_models import smollm2_gguf  # noqa: F401 (fixture)
 
 import lmcli
+from lmcli.bench_job import SYSTEM
 from lmcli.generation import continuous
 from lmcli.generation.continuous import ContinuousRun
-from lmcli.generation.prefix_cache import PrefixCache
+from lmcli.generation.prefix_cache import PrefixCache, prefix_cache_for
 from lmcli.generation.rows import prepare_row
 from lmcli.generation.sampling import RepetitionPenalty, Temperature, TopP
 from lmcli.settings import GenerationSettings
@@ -101,7 +102,7 @@ def test_rows_entering_and_leaving_give_their_single_run_tokens(case, loaded, mo
     assert model.batch_invariant
     # Columns just twice the longest row: they fill up and move left while rows are in flight.
     monkeypatch.setattr(continuous, "MIN_CAPACITY", 0)
-    rows = job_rows(tokenizer, 14, long=True)
+    rows = job_rows(tokenizer, 12, long=True)
     got, stats = continuously(model, tokenizer, rows, 4, PrefixCache(block=4))
     for row in rows:
         assert got[row.id] == alone(model, tokenizer, row), (row.id, row.settings.temperature)
@@ -162,17 +163,22 @@ def test_prefix_cache_memory_bound_and_eviction(loaded):
     assert small.bytes == 0 and len(small) == 0  # a block bigger than the bound is kept nowhere
 
 
-def test_real_default_model_rows_entering_and_leaving(smollm2_gguf):
-    model, tokenizer = lmcli.load(smollm2_gguf)
+@pytest.mark.parametrize("dtype", ["auto", pytest.param("float32", marks=pytest.mark.full)])
+def test_real_default_model_rows_entering_and_leaving(dtype, smollm2_gguf):
+    """As loaded by default (bfloat16: no prefix cache, see prefix_cache_for), and in float32 with one."""
+    model, tokenizer = lmcli.load(smollm2_gguf, dtype=None if dtype == "auto" else dtype)
     assert model.batch_invariant
-    settings = GenerationSettings(chat=True, system="Answer briefly.")
+    prefix = prefix_cache_for(model)
+    assert (prefix is None) == (model.dtype == torch.bfloat16)
+    # A shared system message of about 100 tokens where a prefix is reused; a short one (quicker) else.
+    settings = GenerationSettings(chat=True, system=SYSTEM if prefix is not None else "Answer briefly.")
     rows = [prepare_row(tokenizer, i, question, settings.for_row({"temperature": [0, 0.7][i % 2], "seed": i,
                                                                     "max_new_tokens": 3 + 2 * i}))
-            for i, question in enumerate(["Hi.", "Name a colour.", "What is 2+2?", "Say yes.", "Name a river."])]
-    got, stats = continuously(model, tokenizer, rows, 2, PrefixCache())
+            for i, question in enumerate(["Hi.", "Name a colour.", "What is 2+2?", "Say yes."])]
+    got, stats = continuously(model, tokenizer, rows, 2, prefix)
     for row in rows:
         assert got[row.id] == alone(model, tokenizer, row), row.id
-    assert stats.prefill_computed < stats.prefill_requested
+    assert (stats.prefill_computed < stats.prefill_requested) == (prefix is not None)
 
 
 def test_rows_are_taken_as_places_free_up(loaded):

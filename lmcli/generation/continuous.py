@@ -283,12 +283,28 @@ class ContinuousRun:
                 live.start += d
         self.stats.shifts += 1
 
+    def _shrink(self) -> None:
+        """With no row left to start, drop the batch's free places once a quarter of it is free: the
+        rows still in flight stop paying for the empty ones at every step."""
+        batch = self.batch
+        assert batch is not None
+        keep = [place for place, live in enumerate(batch.rows) if live is not None]
+        if len(batch.rows) - len(keep) < max(1, len(batch.rows) // 4):
+            return
+        index = torch.tensor(keep, device=self.model.device)
+        batch.cache.traverse(lambda tensor: tensor.index_select(0, index))
+        batch.slot_is_token = batch.slot_is_token.index_select(0, index)
+        batch.rows = [batch.rows[place] for place in keep]
+        batch.feed = [batch.feed[place] for place in keep]
+
     # --- decoding -----------------------------------------------------------------------------------
 
     def _step(self) -> None:
         """One token for every row in flight; rows that end leave their place free."""
         batch = self.batch
         assert batch is not None
+        if self._exhausted:
+            self._shrink()
         if batch.column >= batch.capacity:
             self._shift(-min(live.start for live in batch.rows if live is not None))
         device = self.model.device
