@@ -18,6 +18,7 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "invariance": "lmcli.bench_invariance",  # the batch-invariant default against --fast-kernels
     "job": "lmcli.bench_job",
 }
 DEFAULT_SECTIONS = ("engines",)

@@ -254,7 +254,7 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
         ("checkpoint", resolved.described()),
         ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{human_count(parameters)} ({parameters:,})"),
-        ("dtype", str(model.dtype).removeprefix("torch.")),
+        ("dtype", describe_dtype(model)),
         *([("quantization", describe_gguf_storage(path))] if resolved.kind == "gguf" else []),
         ("weights", describe_weights(model)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
@@ -271,6 +271,14 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
         *((f"{kind} kernel", choice.describe()) for kind, choice in getattr(model, "kernel_choices", {}).items()),
         ("cache", describe_cache(path)),
     ]
+
+
+def describe_dtype(model: Any) -> str:
+    """"bfloat16", or for half-precision kernels in a float32 residual stream what runs in which."""
+    dtype, residual = (str(d).removeprefix("torch.") for d in (model.dtype, getattr(model, "residual_dtype", model.dtype)))
+    if dtype == residual:
+        return dtype
+    return f"{dtype} matrix products, attention and cache; {residual} residual stream, norms, rotary, top logits"
 
 
 def describe_weights(model: Any) -> str:

@@ -310,7 +310,8 @@ def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) ->
 def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],
                      dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Install each quantized weight into `built` as it arrives (quantizing float ones first under
-    --quantize); return the float tensors, in the activation dtype, for `fill_model`."""
+    --quantize); return the float tensors, in the residual dtype (see below), for `fill_model`."""
+    from lmcli.models.base import BaseModel
     from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
     from lmcli.models.linear import QuantizedInstaller
     from lmcli.quant.stored import GROUP, GroupQuantized
@@ -319,7 +320,10 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
         activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
     else:
         activation = resolve_dtype(dtype, device)
-    installer = QuantizedInstaller(built, activation, device, source)
+    # Half-precision kernels, float32 around them (the residual stream, norms, rotary, embedding rows,
+    # float weights): in bfloat16 those roundings added up to a wrong answer on the default model.
+    residual = torch.float32 if isinstance(built, BaseModel) and activation.itemsize < 4 else activation
+    installer = QuantizedInstaller(built, activation, device, source, residual)
     release_freed_memory()  # what reading the vocabulary and measuring kernels left behind
     to_quantize = _quantizable_names(built) if quantize in ("int4", "int8") else set()
     bits = 4 if quantize == "int4" else 8
@@ -334,8 +338,10 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
             del tensor
             release_freed_memory()  # the weight's codes and packing buffers, back to the system now
         else:
-            floats[name] = tensor.to(device=device, dtype=activation if tensor.is_floating_point() else tensor.dtype)
+            floats[name] = tensor.to(device=device, dtype=residual if tensor.is_floating_point() else tensor.dtype)
     built.kernel_choices = installer.choices
+    if residual != activation:
+        built.activation_dtype = activation
     built.batch_invariant = bool(installer.choices) and not fast_kernels()  # see models/row_attention.py
     return floats
 
