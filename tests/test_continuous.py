@@ -176,7 +176,7 @@ def test_real_default_model_rows_entering_and_leaving(smollm2_gguf):
     got, stats = continuously(model, tokenizer, rows, 2, prefix)
     for row in rows:
         assert got[row.id] == alone(model, tokenizer, row), row.id
-    assert stats.prefill_computed < stats.prefill_requested - 3 * 96  # each row after the first reuses 96+
+    assert stats.prefill_computed <= stats.prefill_requested - 3 * 96  # each row after the first reuses 96+
 
 
 def test_rows_are_taken_as_places_free_up(loaded):
