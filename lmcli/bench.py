@@ -178,12 +178,13 @@ def _run_engines(settings: BenchSettings, chosen: Any, progress: Callable[[str],
     from lmcli.loading import resolve_device, resolve_dtype
 
     path = Path(settings.checkpoint or "").resolve()
-    threads = settings.threads or chosen.threads
+    threads = settings.threads  # None: each worker chooses for itself, as lmcli would (llama.cpp: every CPU)
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)
 
     progress("measuring memory read bandwidth")
-    machine = {**cpu_facts(), "read_bandwidth_bytes_per_s": read_bandwidth(),
+    machine = {**cpu_facts(), **({"torch_threads": settings.threads} if settings.threads else {}),
+               "read_bandwidth_bytes_per_s": read_bandwidth(),
                "threads": f"{settings.threads} (--threads)" if settings.threads else chosen.describe()}
     workers = _workers(settings, path, float_dtype, threads)
     # The busy loops exist, paused, for the whole run and are killed on leaving (errors and Ctrl-C too).

@@ -171,6 +171,8 @@ def _engine_figures(settings: BenchSettings, replies: dict[tuple[str, str], list
         error = _first_error(decode)
         if error is None:
             figures[f"{prefix}decode_b{batch}_tokens_per_s"] = _median([r["decode_tokens_per_s"] for r in decode])
+            if batch == 1:  # torch's (or llama.cpp's) thread count as each run ended: lmcli's follows the load
+                figures[f"{prefix}decode_b1_threads"] = [r.get("threads") for r in decode]
             if batch == 1 and not prefix:
                 figures["tokens"] = decode[-1]["tokens"]
         else:

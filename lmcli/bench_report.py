@@ -21,7 +21,8 @@ def _label(name: str, figures: dict[str, Any], results: dict[str, Any]) -> str:
     if name == "transformers":
         return f"transformers {results['float_dtype']}"
     if name == "llama.cpp":
-        return f"llama.cpp {results['native_format'] or ''} {figures.get('version', '')}".rstrip()
+        threads = f" · {figures['threads']} threads" if figures.get("threads") else ""
+        return f"llama.cpp {results['native_format'] or ''} {figures.get('version', '')}".rstrip() + threads
     return name
 
 
@@ -38,6 +39,17 @@ def _shared_cells(figures: dict[str, Any], batches: list[int]) -> list[str]:
             _ratio(figures, "llama.cpp", "shared_decode_b1_tokens_per_s")]
 
 
+def _print_threads(results: dict[str, Any], console, busy: int) -> None:
+    """The thread count each engine had as its batch-1 decodes ended (lmcli's moves with the load)."""
+    for name, figures in results["engines"].items():
+        if not name.startswith("lmcli") or "decode_b1_threads" not in figures:
+            continue
+        seen = [",".join(str(t) for t in figures.get(f"{prefix}decode_b1_threads", [])) for prefix in ("", "shared_")]
+        shared = f" · {busy} busy: {seen[1]}" if busy and seen[1] else ""
+        console.print(f"  {_label(name, figures, results)} threads as each b1 decode ended: {seen[0]}{shared}",
+                      highlight=False)
+
+
 def print_report(results: dict[str, Any], console=None) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -46,7 +58,7 @@ def print_report(results: dict[str, Any], console=None) -> None:
     machine = results["machine"]
     settings = results["settings"]
     console.print(f"[bold]{Path(results['checkpoint']).name}[/bold] · {machine['cpu']} · "
-                  f"{machine['torch_threads']} threads of {machine['logical_cpus']} logical CPUs · "
+                  f"{machine['torch_threads']} thread(s) of {machine['logical_cpus']} logical CPUs at the start · "
                   f"torch {machine['torch']} capability {machine['torch_cpu_capability']} · "
                   f"extensions {' '.join(machine['extensions']) or 'none seen'} · "
                   f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", highlight=False)
@@ -88,6 +100,7 @@ def print_report(results: dict[str, Any], console=None) -> None:
             console.print(f"  {_label(name, figures, results)} weights: {stored}", highlight=False)
         for why in kernels.get("why", {}).values():
             console.print(f"    kernel {why}", highlight=False)
+    _print_threads(results, console, busy)
     identical = results["greedy_identical_lmcli_float_vs_transformers"]
     if identical is not None:
         console.print(f"greedy tokens identical (lmcli {results['float_dtype']} vs transformers): "

@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-import torch
-
+from lmcli import threads
 from lmcli.bench_measure import decode_rate, mean_kl_divergence
 from lmcli.bench_models import QUALITY_TEXT
+
+threads.configure()  # this worker's own choice, before torch loads (as the CLI makes it); lmcli's follows the load
+import torch  # noqa: E402 - after the thread settings: OpenMP reads them when torch loads
 
 PROMPT_SEED = 0
 
@@ -80,6 +82,9 @@ class LmcliEngine:
         out = self.model.generate(prompt.to(self.device), new_tokens, False, on_token=stamp)
         return [s - start for s in stamps], out[:, prompt.shape[1]:].cpu()
 
+    def threads_now(self) -> int:
+        return torch.get_num_threads()
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise Unsupported("the checkpoint has no tokenizer")
@@ -138,6 +143,9 @@ class TransformersEngine:
                                   stopping_criteria=[Stamp()])
         return [s - start for s in stamps], out[:, prompt.shape[1]:].cpu()
 
+    def threads_now(self) -> int:
+        return torch.get_num_threads()
+
 
 class LlamaCppEngine:
     def __init__(self, spec: dict[str, Any]):
@@ -148,15 +156,20 @@ class LlamaCppEngine:
         if not spec["checkpoint"].endswith(".gguf"):
             raise Unsupported("llama.cpp reads GGUF files only")
         self.lib = llama_cpp
-        self.threads = spec["threads"] or torch.get_num_threads()  # None: as lmcli chose for torch
+        # Default: every CPU of ours, llama.cpp's own count when asked for all cores (its Python binding's
+        # default, half the CPUs, would be 1 thread here), so the comparison is not with a choice of lmcli's.
+        self.threads = spec["threads"] or len(os.sched_getaffinity(0))
         self.llm = llama_cpp.Llama(model_path=spec["checkpoint"], n_ctx=spec["context"], n_batch=512,
                                    n_threads=self.threads, n_threads_batch=self.threads, n_gpu_layers=0,
                                    verbose=False)
         self.vocab_size = self.llm.n_vocab()
 
     def facts(self) -> dict[str, Any]:
-        return {"activation_dtype": "llama.cpp",
+        return {"activation_dtype": "llama.cpp", "threads": self.threads,
                 "kernels": {"weights": {}, "why": {}}, "version": self.lib.__version__}
+
+    def threads_now(self) -> int:
+        return self.threads
 
     def generate(self, prompt: torch.Tensor, new_tokens: int) -> tuple[list[float], torch.Tensor]:
         import numpy as np
@@ -198,7 +211,8 @@ def _handle(engine, request: dict[str, Any]) -> dict[str, Any]:
     if op == "generate":
         prompt = _prompt(engine.vocab_size, request["batch"], request["context"])
         stamps, tokens = engine.generate(prompt, request["new"])
-        reply: dict[str, Any] = {"ttft_s": stamps[0], "decode_tokens_per_s": decode_rate(stamps, request["batch"])}
+        reply: dict[str, Any] = {"ttft_s": stamps[0], "decode_tokens_per_s": decode_rate(stamps, request["batch"]),
+                                 "threads": engine.threads_now()}  # at the end: lmcli's count follows the load
         if request.get("tokens"):
             reply["tokens"] = tokens.tolist()
         return reply
@@ -239,8 +253,8 @@ def worker_main(spec_json: str) -> None:
     os.dup2(2, 1)  # whatever the engine prints (Python or C) goes to stderr, not into the protocol
     sys.stdout = sys.stderr
     spec = json.loads(spec_json)
-    if spec["threads"] is not None:  # else as the environment set it (lmcli's choice, made by the parent)
-        torch.set_num_threads(spec["threads"])
+    if spec["threads"] is not None:  # --threads: fixed (else this worker's own choice, made above)
+        threads.configure(spec["threads"])
 
     def send(message: dict[str, Any]) -> None:
         replies.write(json.dumps(message) + "\n")

@@ -295,6 +295,11 @@ def describe_cache(checkpoint: Path) -> str:
     root = cache_dir()
     entries = [f"a dequantised {dtype} copy, {human_bytes(size)} (used by --quantize none)"
                for dtype, size in dequantised_copies(checkpoint)]
+    if checkpoint.suffix == ".gguf":
+        from lmcli.io.packed_cache import entries_for
+
+        entries += [f"its loaded weights, packed, {human_bytes(entry.stat().st_size)} ({entry.relative_to(root)})"
+                    for entry in entries_for(checkpoint)]
     if (root / "kernels.json").is_file():
         entries.append("measured kernel choices (kernels.json)")
     return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")

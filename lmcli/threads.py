@@ -2,21 +2,32 @@
 
 OpenMP threads that spin at every barrier while another process holds their core wait for the
 scheduler instead of working: with one of two cores busy elsewhere, decoding with torch's defaults
-(all cores, libgomp's long spin) ran 12-18x slower than with passive waiting. So before torch loads
-(libgomp reads its environment once, when torch's import loads it), `configure()` sets:
+(all cores, libgomp's long spin) ran 12-18x slower than with one thread. The cure is never to run
+more threads than there are free cores, and since cores are taken and freed while a long job or a
+chat runs, lmcli keeps choosing:
 
-- OMP_NUM_THREADS: the CPUs this process may use (sched_getaffinity) less those other processes
-  keep busy (the load average, or the tasks runnable now if fewer; at least 1). Under torchrun the
-  ranks on this machine share the CPUs, so that ranks x threads never exceeds them.
-- OMP_WAIT_POLICY=PASSIVE when a CPU is busy elsewhere at the start (or torchrun ranks share the
-  machine): an idle thread sleeps at once rather than spinning. On a quiet machine libgomp's default
-  (spin, then sleep) is kept: it decodes much faster there (measured quiet and beside a busy core with
-  tools/thread_settings.py: see the README).
+- Before torch loads (libgomp reads its environment once), `configure()` sets OMP_NUM_THREADS: the
+  CPUs this process may use (sched_getaffinity) less those other processes keep busy (the load
+  average, or the tasks runnable now if fewer; at least 1).
+- While generating, `recheck()` (called at every decode step; it only reads the clock unless
+  RECHECK_S has passed) measures what the other processes used of our CPUs since the last look
+  (/proc/stat less this process's own CPU time) and moves torch.set_num_threads between 1 and the CPUs:
+  fewer when a core is taken, more when it is free again. At the start of each call, or after a pause
+  (a chat waiting for its user, a gap of over PAUSE_S between calls), the first look counts the tasks
+  running that instant instead.
+- libgomp's own wait (spin, then sleep) is kept: with no more threads than free cores it is the
+  fastest (1.6-2x passive waiting on a quiet machine, tools/thread_settings.py), and the wait policy
+  cannot change once torch has loaded, while the thread count can.
+
+A fixed thread count cannot follow the load, so with `--threads N` or the user's OMP_NUM_THREADS and a
+CPU busy elsewhere at the start, lmcli sets OMP_WAIT_POLICY=PASSIVE (an idle thread sleeps at once).
+So it does under torchrun, whose ranks on this machine share the CPUs: ranks x threads never exceeds
+them, and the count is fixed (another rank is not load to give way to).
 
 The user wins: `--threads N` over everything, then OMP_NUM_THREADS / OMP_WAIT_POLICY / GOMP_SPINCOUNT
-from the environment (a wait variable the user set means lmcli sets neither). If torch was imported
-before lmcli could choose (a program that imported it first), only an explicit `--threads` is applied:
-the wait behaviour is already fixed and the thread count is the program's own.
+from the environment (a wait variable the user set means lmcli sets neither), and a program that calls
+torch.set_num_threads itself stops the re-checking. If torch was imported before lmcli could choose,
+only an explicit `--threads` is applied: the settings are the program's own.
 """
 
 from __future__ import annotations
@@ -24,12 +35,16 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Mapping, MutableMapping
+import time
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 
 THREADS_VAR = "OMP_NUM_THREADS"
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAIT_CHOICE = {"OMP_WAIT_POLICY": "PASSIVE"}
+RECHECK_S = 0.5  # how often recheck() looks at the load while generating
+FIRST_WINDOW_S = 0.2  # sooner after a look at the tasks running now (an instant can mislead), ~40 ticks on 2 CPUs
+PAUSE_S = 1.0  # a longer gap between two recheck() calls is a pause: what the CPUs did in it is no guide to now
 # The variables lmcli itself set, so that a later call (or a child process, which inherits them) does not
 # mistake lmcli's choice for the user's.
 SET_BY_LMCLI_VAR = "LMCLI_THREADS_SET"
@@ -53,10 +68,7 @@ class Machine:
 
 
 def read_machine(env: Mapping[str, str] = os.environ) -> Machine:
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
+    cpus = len(_our_cpus())
     load, runnable = 0.0, None
     try:
         with open("/proc/loadavg") as file:
@@ -92,11 +104,13 @@ class Choice:
     wait: str  # how idle threads wait, e.g. "OMP_WAIT_POLICY=PASSIVE"
     why: str
     env: dict[str, str] = field(default_factory=dict)  # what lmcli sets before torch loads
+    follows_load: bool = False  # lmcli chose the count alone: recheck() may move it with the load
 
     def describe(self) -> str:
         count = "torch's default threads" if self.threads is None else \
             f"{self.threads} thread{'s' if self.threads != 1 else ''}"
-        return f"{count}, {self.wait} — {self.why}"
+        follows = f"; re-checked every {RECHECK_S:g} s while generating" if self.follows_load else ""
+        return f"{count}{' at the start' if self.follows_load else ''}, {self.wait} — {self.why}{follows}"
 
 
 def _users(env: Mapping[str, str]) -> dict[str, str]:
@@ -139,31 +153,155 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
                    f"(load {machine.load:.2f}{'' if machine.runnable is None else f', {machine.runnable} runnable'})")
     if threads is not None and (requested is not None or THREADS_VAR not in users):
         env_out[THREADS_VAR] = str(threads)
+    follows_load = requested is None and THREADS_VAR not in users and machine.local_ranks == 1
     if any(name in users for name in WAIT_VARS):
         wait = f"{_wait_text(users)} from the environment"
-    elif busy or machine.local_ranks > 1:
+    elif not follows_load and (busy or machine.local_ranks > 1):
         env_out.update(WAIT_CHOICE)
-        wait = f"{_wait_text(WAIT_CHOICE)} (idle threads sleep: a spinning one can stall on a taken core)"
+        wait = f"{_wait_text(WAIT_CHOICE)} (a fixed count beside busy CPUs: idle threads sleep at once)"
     else:
-        # A quiet machine: libgomp's spin-then-sleep decodes the default model 1.6x faster than sleeping
-        # at once (55 against 34 tok/s at 2 threads, tools/thread_settings.py); a core taken only after
-        # the start can still slow it, as it did before lmcli chose.
-        wait = f"{_wait_text({})} (no CPU busy elsewhere at the start)"
-    return Choice(threads, wait, why, env_out)
+        # No more threads than free cores (re-checked while generating): libgomp's spin-then-sleep decodes
+        # the default model 1.6-2x faster than sleeping at once (tools/thread_settings.py).
+        wait = _wait_text({})
+    return Choice(threads, wait, why, env_out, follows_load)
+
+
+def threads_for_window(cpus: int, threads: int, others: float) -> int:
+    """The thread count after a window in which other processes used `others` CPUs' worth of our `cpus`
+    while we ran `threads`: fewer as soon as a core is taken (a thread on it stalls every barrier), more
+    only once a core is clearly free (a busy loop beside 2 spinning threads on 2 cores gets ~0.67 CPU)."""
+    free = cpus - others
+    if free < threads - 0.5:
+        return max(int(free + 0.5), 1)
+    if free >= threads + 0.75:
+        return min(int(free + 0.25), cpus)
+    return threads
+
+
+def threads_for_tasks(cpus: int, host_cpus: int, running_elsewhere: int) -> int:
+    """The thread count from the other tasks running this instant (after a pause), in our share of the host."""
+    busy = min(int(running_elsewhere * cpus / max(host_cpus, cpus) + 0.5), cpus)
+    return max(cpus - busy, 1)
+
+
+@dataclass
+class LoadReaders:
+    """Where a LoadFollower reads the machine and torch (tests give fakes)."""
+
+    cpu_busy: Callable[[], float | None]  # CPU-seconds our CPUs have been busy since boot, every process's work
+    running_elsewhere: Callable[[], int | None]  # tasks running this instant that are not this process's threads
+    get_threads: Callable[[], int | None]  # torch's thread count; None: torch is not loaded
+    set_threads: Callable[[int], None]
+    own_cpu: Callable[[], float] = time.process_time  # CPU-seconds this process has used, all its threads
+    clock: Callable[[], float] = time.monotonic
+
+
+def _system_readers() -> LoadReaders:
+    from lmcli import machine
+
+    cpus = _our_cpus()
+
+    def running_elsewhere() -> int | None:
+        running = machine.running_tasks()
+        return None if running is None else max(running - machine.own_running_threads(), 0)
+
+    def get_threads() -> int | None:
+        torch = sys.modules.get("torch")
+        return None if torch is None else torch.get_num_threads()
+
+    return LoadReaders(cpu_busy=lambda: machine.cpu_busy_seconds(cpus), running_elsewhere=running_elsewhere,
+                       get_threads=get_threads, set_threads=lambda n: sys.modules["torch"].set_num_threads(n))
+
+
+class LoadFollower:
+    """Moves torch's thread count with the load while lmcli generates (see the module docstring)."""
+
+    def __init__(self, cpus: int, host_cpus: int, threads: int, readers: LoadReaders):
+        self.cpus, self.host_cpus, self.threads, self.readers = cpus, host_cpus, threads, readers
+        self.last: tuple[float, float, float] | None = None  # (clock, CPUs busy, own CPU) at the last look
+        self.due = float("-inf")
+        self.called = float("-inf")  # clock at the last recheck() call
+        self.paused = False  # a pause since the last look: the next one counts the tasks running then
+        self.stopped: str | None = None  # why it no longer follows
+        self.switches = 0
+
+    def recheck(self, fresh: bool = False) -> None:
+        """`fresh`: work starts now after a pause of unknown length (what the CPUs did during it is no
+        guide); a gap of more than PAUSE_S since the last call counts as one too."""
+        now = self.readers.clock()
+        self.paused |= fresh or now - self.called > PAUSE_S
+        self.called = now
+        if now < self.due or self.stopped:
+            return
+        self.due = now + RECHECK_S
+        in_torch = self.readers.get_threads()
+        if in_torch is None:
+            return
+        if in_torch != self.threads:  # the program set its own count (or this thread never saw ours)
+            self.stopped = f"torch's thread count was set to {in_torch} by the program"
+            return
+        busy, own = self.readers.cpu_busy(), self.readers.own_cpu()
+        if busy is None:
+            self.stopped = "the CPUs' busy time cannot be read"
+            return
+        if self.paused or self.last is None:
+            running = self.readers.running_elsewhere()
+            target = self.threads if running is None else threads_for_tasks(self.cpus, self.host_cpus, running)
+            self.due = now + FIRST_WINDOW_S
+        else:
+            then, busy_then, own_then = self.last
+            others = max((busy - busy_then) - (own - own_then), 0.0) / max(now - then, 1e-6)
+            target = threads_for_window(self.cpus, self.threads, others)
+        self.last, self.paused = (now, busy, own), False
+        if target != self.threads:
+            self.readers.set_threads(target)
+            self.threads = target
+            self.switches += 1
+
+    def forget(self) -> None:
+        """After a fork: the child's own CPU time starts again, so the last look is not comparable."""
+        self.last, self.due, self.paused = None, float("-inf"), True
+
+
+def _our_cpus() -> set[int]:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):
+        return set(range(os.cpu_count() or 1))
 
 
 _current: Choice | None = None
+_follower: LoadFollower | None = None
+
+
+def recheck(fresh: bool = False) -> None:
+    """Let the thread count follow the load: call at every decode step of any loop (`fresh` at the first
+    step of a call; a gap over PAUSE_S between calls counts as a pause too): after a pause the look counts
+    the tasks running that instant rather than the CPU time since the last look. Costs a clock read, plus
+    a look at /proc (30-110 us) at most every RECHECK_S; does nothing unless lmcli chose the count alone."""
+    if _follower is not None:
+        _follower.recheck(fresh)
+
+
+def follower() -> LoadFollower | None:
+    """The object moving the thread count with the load (None when the count is fixed)."""
+    return _follower
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _follower.forget() if _follower is not None else None)
 
 
 def configure(requested: int | None = None, env: MutableMapping[str, str] = os.environ) -> Choice:
     """Choose and apply the thread settings (call before torch loads); a later call without `requested`
     returns the first choice. With torch loaded, only `requested` changes anything (torch.set_num_threads)."""
-    global _current
+    global _current, _follower
     if requested is None and _current is not None:
         return _current
     torch = sys.modules.get("torch")
     torch_threads = torch.get_num_threads() if torch is not None else None
-    choice = choose(read_machine(env), env, requested, torch_threads)
+    machine = read_machine(env)
+    choice = choose(machine, env, requested, torch_threads)
     if torch is not None:
         if requested is not None:
             torch.set_num_threads(requested)
@@ -177,6 +315,9 @@ def configure(requested: int | None = None, env: MutableMapping[str, str] = os.e
         else:
             env.pop(SET_BY_LMCLI_VAR, None)
     _current = choice
+    _follower = None
+    if choice.follows_load and choice.threads is not None:
+        _follower = LoadFollower(machine.cpus, machine.host_cpus, choice.threads, _system_readers())
     return choice
 
 

@@ -23,8 +23,8 @@ def machine(cpus=4, load=0.0, runnable=1, host_cpus=None, ranks=1):
     return threads.Machine(cpus=cpus, host_cpus=host_cpus or cpus, load=load, runnable=runnable, local_ranks=ranks)
 
 
-@pytest.mark.parametrize("fake, expected, sleeps", [
-    (machine(cpus=4), 4, False),  # quiet: every CPU, and libgomp's own spin-then-sleep
+@pytest.mark.parametrize("fake, expected, busy", [
+    (machine(cpus=4), 4, False),  # quiet: every CPU
     (machine(cpus=4, load=1.0, runnable=2), 3, True),  # one busy loop elsewhere
     (machine(cpus=2, load=1.1, runnable=2), 1, True),
     (machine(cpus=4, load=3.0, runnable=1), 4, False),  # the average still remembers a load that has ended
@@ -33,11 +33,15 @@ def machine(cpus=4, load=0.0, runnable=1, host_cpus=None, ranks=1):
     (machine(cpus=2, host_cpus=64, load=8.0, runnable=9), 2, False),
     (machine(cpus=4, load=2.0, runnable=None), 2, True),  # no runnable count: the load average alone
 ])
-def test_threads_are_the_free_cpus_and_idle_threads_sleep_beside_busy_ones(fake, expected, sleeps):
+def test_threads_are_the_free_cpus_and_a_fixed_count_sleeps_beside_busy_ones(fake, expected, busy):
     choice = threads.choose(fake, {})
-    assert choice.threads == expected
-    assert choice.env == {"OMP_NUM_THREADS": str(expected), **({"OMP_WAIT_POLICY": "PASSIVE"} if sleeps else {})}
-    assert ("PASSIVE" in choice.describe()) == sleeps
+    # lmcli's own count: no more threads than free cores, moved with the load later (test_threads_recheck),
+    # so libgomp's faster spin-then-sleep is kept.
+    assert choice.threads == expected and choice.follows_load
+    assert choice.env == {"OMP_NUM_THREADS": str(expected)}
+    fixed = threads.choose(fake, {}, requested=2)  # --threads 2 cannot give way: its idle threads sleep at once
+    assert fixed.env == {"OMP_NUM_THREADS": "2", **({"OMP_WAIT_POLICY": "PASSIVE"} if busy else {})}
+    assert ("PASSIVE" in fixed.describe()) == busy and not fixed.follows_load
 
 
 def test_read_machine_reads_affinity_load_and_torchrun(monkeypatch):

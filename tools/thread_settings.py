@@ -2,12 +2,13 @@
 
     python tools/thread_settings.py [--busy N] [--rounds R] [--new-tokens T] [SETTINGS ...]
 
-Each SETTINGS is `default` (lmcli's own choice) or environment changes joined by '+', e.g.
+Each SETTINGS is `default` (lmcli's own choice, made by the worker, whose count then follows the load)
+or environment changes joined by '+' (the user's settings: a fixed count), e.g.
 `OMP_NUM_THREADS=1` or `OMP_NUM_THREADS=2+GOMP_SPINCOUNT=10000` (`VAR=` unsets VAR). Each runs in its
 own `lmcli bench` worker process (OpenMP reads its settings when torch loads) on the default model,
 loaded once. Every round asks each worker in turn for one batch-1 greedy decode with the busy loops
 paused, then the same with them spinning, so load from the rest of the machine falls on all alike;
-the table shows the medians of decode tokens/s.
+the table shows the medians of decode tokens/s and torch's thread count as each run ended.
 """
 
 from __future__ import annotations
@@ -26,10 +27,14 @@ SETTINGS = ["default", "GOMP_SPINCOUNT=300000+OMP_WAIT_POLICY=+OMP_NUM_THREADS=2
 
 
 def _env(settings: str) -> dict[str, str | None]:
-    if settings == "default":
-        return {}
-    changes = dict(part.split("=", 1) for part in settings.split("+"))
-    return {name: value or None for name, value in changes.items()}
+    """The worker's environment changes: what lmcli chose in this process is dropped (so a worker's
+    variables are all the user's, or, for `default`, lmcli chooses afresh in the worker)."""
+    ours = [name for name in os.environ.get(threads.SET_BY_LMCLI_VAR, "").split(",") if name]
+    env: dict[str, str | None] = dict.fromkeys([*ours, threads.SET_BY_LMCLI_VAR])
+    if settings != "default":
+        changes = dict(part.split("=", 1) for part in settings.split("+"))
+        env.update({name: value or None for name, value in changes.items()})
+    return env
 
 
 def main() -> None:
@@ -51,11 +56,13 @@ def main() -> None:
             "dtype": "auto", "threads": None, "context": 32 + args.new_tokens}
     workers = [Worker(settings, spec, env=_env(settings)) for settings in args.settings]
     rates: dict[tuple[str, bool], list[float]] = {}
+    counts: dict[tuple[str, bool], list[int]] = {}  # torch's thread count at the end of each run
     with BackgroundLoad(args.busy) as load:
         try:
             for worker in workers:
                 worker.start()
                 worker.wait_ready()
+            print(f"workers ready · load average {os.getloadavg()[0]:.2f}", flush=True)
             request = {"op": "generate", "batch": 1, "context": 32, "new": args.new_tokens}
             for round_ in range(args.rounds):
                 for busy in (False, True):
@@ -63,17 +70,20 @@ def main() -> None:
                         with Loaded(load if busy else None):
                             reply = worker.ask(request)
                         rates.setdefault((worker.name, busy), []).append(reply.get("decode_tokens_per_s", float("nan")))
+                        counts.setdefault((worker.name, busy), []).append(reply.get("threads", 0))
                 print(f"round {round_ + 1}/{args.rounds} done · load average {os.getloadavg()[0]:.2f}", flush=True)
         finally:
             for worker in workers:
                 worker.stop()
-    print(f"\n| settings | quiet decode tok/s | {args.busy} busy loop(s) decode tok/s |\n|---|---|---|")
+    print(f"\n| settings | quiet decode tok/s | {args.busy} busy loop(s) decode tok/s | threads at the end of each run, "
+          f"quiet / busy |\n|---|---|---|---|")
     for worker in workers:
         if worker.failure:
             print(f"| {worker.name} | {worker.failure} | |")
             continue
         quiet, shared = (statistics.median(rates[(worker.name, b)]) for b in (False, True))
-        print(f"| {worker.name} | {quiet:.1f} | {shared:.1f} |")
+        ends = " / ".join(",".join(map(str, counts[(worker.name, b)])) for b in (False, True))
+        print(f"| {worker.name} | {quiet:.1f} | {shared:.1f} | {ends} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from lmcli import threads
 from lmcli.config import ModelConfig, eos_id_list
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, make_sampler
 
@@ -144,6 +145,7 @@ def generate_from_cache(model: SlotModel[CacheT], x: torch.Tensor, max_new_token
     # `cached`: columns whose keys/values are in the cache
 
     for step in range(max_new_tokens):
+        threads.recheck(fresh=step == 0)  # the thread count follows the load (a clock read unless it is time to look)
         if cache is not None and length <= max_positions:
             # Feed only what the cache does not hold yet: the whole prompt first, then one token.
             slots = torch.arange(cached, length, device=device)
