@@ -88,7 +88,7 @@ def test_sigkill_with_rows_in_flight_then_resume(tiny_checkpoint, tmp_path):
                            "--stats"], env=env, capture_output=True, timeout=300)
     assert done.returncode == 0 and b"full" in done.stderr, done.stderr.decode()
     kills = 0
-    for wanted in (3, 11):  # two kills, each once some rows are written and others are in flight
+    for wanted in (5,):  # killed once some rows are written and others are in flight
         job = start(flags, out, env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and job.poll() is None and lines_in(out) < wanted:
