@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from lmcli import threads
 from lmcli.generation.loop import TokenEvent
 from lmcli.generation.prefix_cache import PrefixCache
 from lmcli.generation.rows import (
@@ -301,6 +302,7 @@ class ContinuousRun:
 
     def _step(self) -> None:
         """One token for every row in flight; rows that end leave their place free."""
+        threads.recheck()  # the thread count follows the load (a clock read unless it is time to look)
         batch = self.batch
         assert batch is not None
         if self._exhausted:
