@@ -41,6 +41,8 @@ class BenchSettings:
     threads: int | None = None  # default: lmcli's choice for the machine (lmcli.threads)
     background_load: int = 0  # busy loops spinning beside the engines in a second set of runs (0: none)
     sections: Sequence[str] = DEFAULT_SECTIONS  # lmcli.bench_sections: which parts of the bench run
+    job_file: str | None = None  # bench_job: the job to run (default: LMCLI_BENCH_JOB, else its target job)
+    job_rows: int = 48  # bench_job: rows of its target job
 
     def quick(self) -> BenchSettings:
         """Less of everything: one round, no 4k context or batch 32, a shorter quality check."""
@@ -50,6 +52,7 @@ class BenchSettings:
         self.scaling_batches = tuple(b for b in self.scaling_batches if b <= 8)
         self.quality_prompts = min(self.quality_prompts, 2)
         self.kl_tokens = min(self.kl_tokens, 128)
+        self.job_rows = min(self.job_rows, 16)
         return self
 
 

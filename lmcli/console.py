@@ -147,6 +147,10 @@ def job_summary(report: Any, output_path: Path | None) -> str:
         parts.append(f"{report.skipped} already done")
     parts.append(f"{report.tokens} tokens")
     parts.append(f"{report.tokens / max(report.seconds, 1e-9):.1f} tokens/s")
+    continuous = getattr(report, "continuous", None)  # generation.continuous.ContinuousStats
+    if continuous is not None and continuous.steps:
+        parts.append(f"batch {continuous.occupancy:.0%} full")
+        parts.append(f"prefill {continuous.prefill_computed} of {continuous.prefill_requested} tokens computed")
     return " · ".join(parts)
 
 

@@ -7,7 +7,9 @@ section); the settings of a row are settings.py's to check.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,26 +35,69 @@ class JobRow:
 
 def read_rows(path: Path, settings: GenerationSettings) -> list[JobRow]:
     """Read a job's input: JSONL when the name ends in .jsonl, else one prompt per line."""
+    rows = list(_parse_rows(path, settings))
+    _refuse_duplicate_ids(rows)
+    return rows
+
+
+class JobRows:
+    """A job's input read as it is consumed (a 1,000,000-row file is never held in memory): each
+    iteration reads the file again, a row at a time. Made by one pass that counts the rows and refuses
+    duplicate ids (keeping 8 bytes per row); `where` and slices are views that read lazily too."""
+
+    def __init__(self, path: Path, settings: GenerationSettings, keep=None, step: slice | None = None):
+        self.path, self.settings = path, settings
+        self._keep, self._slice = keep, step
+        self._length: int | None = None
+        if keep is None and step is None:
+            self._length = _count_refusing_duplicates(path, settings)
+
+    def __iter__(self) -> Iterator[JobRow]:
+        rows: Iterator[JobRow] = _parse_rows(self.path, self.settings)
+        if self._keep is not None:
+            rows = (row for row in rows if self._keep(row))
+        if self._slice is not None:
+            rows = itertools.islice(rows, self._slice.start, self._slice.stop, self._slice.step)
+        return rows
+
+    def __len__(self) -> int:
+        if self._length is None:
+            self._length = sum(1 for _ in self)
+        return self._length
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def where(self, keep) -> JobRows:
+        """The rows for which `keep(row)` is true (a view: `self` must be unfiltered)."""
+        return JobRows(self.path, self.settings, keep)
+
+    def __getitem__(self, part: slice) -> JobRows:
+        """A data-parallel rank's share, rows[rank::world] (a view)."""
+        if not isinstance(part, slice) or self._slice is not None:
+            raise TypeError("JobRows takes one slice")
+        return JobRows(self.path, self.settings, self._keep, part)
+
+
+def _parse_rows(path: Path, settings: GenerationSettings) -> Iterator[JobRow]:
     from lmcli.io.bounded import MAX_INPUT_LINE, bounded_lines
 
-    lines = list(bounded_lines(path, MAX_INPUT_LINE, LmcliError, "input"))  # a stream: /dev/zero is refused
-    if lines:
-        lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark, as some editors write
+    def lines() -> Iterator[tuple[int, bytes]]:  # a stream: /dev/zero is refused
+        for number, raw in enumerate(bounded_lines(path, MAX_INPUT_LINE, LmcliError, "input"), start=1):
+            yield number, raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a byte order mark
+
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
-    if parse is _parse_jsonl_line and is_openai_file(next((line for line in lines if line.strip()), b"")):
+    if parse is _parse_jsonl_line and is_openai_file(next((raw for _, raw in lines() if raw.strip()), b"")):
         parse = _parse_openai_line
-    rows = []
-    for number, raw in enumerate(lines, start=1):
+    for number, raw in lines():
         if not raw.strip():
             continue
         try:
             text = raw.decode("utf-8").removesuffix("\r")
         except UnicodeDecodeError:
-            rows.append(_bad_row(number, number, "not valid UTF-8", repr(raw), settings))
+            yield _bad_row(number, number, "not valid UTF-8", repr(raw), settings)
             continue
-        rows.append(parse(number, text, settings))
-    _refuse_duplicate_ids(rows)
-    return rows
+        yield parse(number, text, settings)
 
 
 def _parse_text_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
@@ -143,6 +188,25 @@ def _bad_row(number, row_id, message, text, settings, prompt=None, url=None) -> 
 def id_key(row_id: Any) -> str:
     """A row id as a dict key: 7 and "7" are different ids, and JSON text tells them apart."""
     return json.dumps(row_id)
+
+
+def _count_refusing_duplicates(path: Path, settings: GenerationSettings) -> int:
+    """How many rows the input has; refuses duplicate ids as read_rows does, keeping only a 64-bit
+    digest per row (the lines of a digest that repeats are then found by a second pass)."""
+    import hashlib
+    from array import array
+
+    digests = array("q")
+    for row in _parse_rows(path, settings):
+        digest = hashlib.blake2b(id_key(row.id).encode(), digest_size=8).digest()
+        digests.append(int.from_bytes(digest, "little", signed=True))
+    ordered = sorted(digests)
+    repeated = {a for a, b in itertools.pairwise(ordered) if a == b}
+    del ordered
+    if repeated:
+        _refuse_duplicate_ids([row for row in _parse_rows(path, settings) if int.from_bytes(
+            hashlib.blake2b(id_key(row.id).encode(), digest_size=8).digest(), "little", signed=True) in repeated])
+    return len(digests)
 
 
 def _refuse_duplicate_ids(rows: list[JobRow]) -> None:

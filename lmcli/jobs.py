@@ -22,10 +22,15 @@ Job semantics (this is what the README documents):
   the moment it finishes, as one complete line that is flushed and fsync'd.
   (Input order would mean holding finished rows back until every earlier row
   is done, and a kill would lose them.) Sort by `id` afterwards if you need to.
-- Rows are grouped by the settings a batch must share (all decoding settings
+- Rows run continuously (generation/continuous.py) on decoder-only models whose
+  rows are batch-invariant: up to --batch-size in flight, a finished row's place
+  refilled at once, rows of any settings side by side, a prompt prefix shared by
+  rows computed once. Elsewhere (float weights, --fast-kernels, encoder-decoders,
+  --tp) rows are grouped by the settings a batch must share (all decoding settings
   but the seed and max_new_tokens, and --ignore-eos), then sorted by
   max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
+- The input is read as it is consumed (job_input.JobRows), never held in memory.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
 - Every output row records the model it came from (name and content
@@ -47,10 +52,11 @@ generation/rows.py's, the settings settings.py's, the progress bar console.py's.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -68,7 +74,8 @@ from lmcli.generation.rows import (
 )
 from lmcli.io.atomic import write_atomically
 from lmcli.io.output_lock import close_output, holding_output_lock
-from lmcli.job_input import JobRow, id_key, read_rows
+from lmcli.job_input import JobRow, JobRows, id_key
+from lmcli.job_input import read_rows as read_rows  # lmcli.distributed reads the input so
 from lmcli.job_input import unescape_line as unescape_line  # part of the job format, documented here
 from lmcli.settings import GenerationSettings, RowError
 
@@ -113,8 +120,8 @@ class JobOutput:
         """The rows done already, by id key (see id_key)."""
         return {}
 
-    def share(self, todo: list[JobRow]) -> list[JobRow]:
-        """Of the rows still to do, those this process runs."""
+    def share(self, todo: Any) -> Any:
+        """Of the rows still to do (JobRows, which slice lazily), those this process runs."""
         return todo
 
     def open(self) -> RowWriter:
@@ -212,6 +219,7 @@ class JobReport:
     tokens: int = 0
     seconds: float = 0.0
     orphans: list[str] = field(default_factory=list)  # ids in the output that the input no longer has
+    continuous: Any = None  # generation.continuous.ContinuousStats when the rows ran continuously
 
 
 @holding_output_lock  # one writer per --output: a second job is refused, naming the first one's pid
@@ -239,17 +247,15 @@ def run_job(
     if not isinstance(output, JobOutput):
         output = JobOutput() if output is None else FileOutput(output, resume, overwrite)
     started = time.perf_counter()
-    rows = read_rows(input_path, settings)
+    rows = JobRows(input_path, settings)  # read as consumed: the input is never held in memory
     report = JobReport(rows=len(rows))
     model_record = identity() if identity is not None else None
 
     finished = output.finished()
     if finished:
-        report.orphans = _check_resumable(rows, finished, output.path, model_record)
-    todo = [row for row in rows if id_key(row.id) not in finished]
-    report.skipped = len(rows) - len(todo)
-    todo = output.share(todo)
-    by_key = {id_key(row.id): row for row in rows}
+        report.orphans, report.skipped = _check_resumable(rows, finished, output.path, model_record)
+    todo = output.share(rows.where(lambda row: id_key(row.id) not in finished) if finished else rows)
+    by_key: dict[str, JobRow] = {}  # the rows being generated
     model_name = model_record["name"] if model_record is not None else "lmcli"
 
     def record(row_hash: str, settings_used: GenerationSettings | None, seed: int | None) -> dict:
@@ -263,7 +269,7 @@ def run_job(
         return out
 
     def result_row(result: RowResult) -> dict:
-        row = by_key[id_key(result.row.id)]
+        row = by_key.pop(id_key(result.row.id))
         made = record(result.row.input_hash, result.row.settings, result.row.seed)
         if row.url is not None:
             return openai_batch.response_row(str(row.id), row.url, result, model_name, made)
@@ -291,42 +297,53 @@ def run_job(
 
     writer = output.open()
     progress = JobProgress(0, enabled=False)
-    try:
+    loaded: list[tuple[Any, Any]] = []
+
+    def prepared_rows() -> Iterator[PreparedRow]:
+        """The rows to generate, tokenised as they are reached; the others become error rows on the way.
+        The model is loaded at the first row that needs it."""
+        nonlocal progress
         for row in todo:
-            if row.error is not None:
-                write_error(row, row.error)
-        # A row without an error has its prompt and settings.
-        pending = [(row, row.prompt, row.settings) for row in todo
-                   if row.error is None and row.prompt is not None and row.settings is not None]
-        if pending:
-            model, tokenizer = load()
-            # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
-            progress = JobProgress(len(todo), writer.rows, enabled=output.progress)
-            if any(settings.chat for _, _, settings in pending):
-                require_chat_template(tokenizer)
-            prepared = []
-            for row, prompt, settings in pending:
-                try:
-                    prepared.append(prepare_row(tokenizer, row.id, prompt, settings, row.input_hash,
-                                                context=model.config.max_position_embeddings))
-                    if prepared[-1].dropped_tokens:
-                        warning = truncation_warning(prepared[-1], model.config.max_position_embeddings)
-                        sys.stderr.write(f"row {json.dumps(row.id)}: {warning}\n")
-                except RowError as e:
-                    write_error(row, f"line {row.line}: {e}")
-                    progress.advance()
-
-            def done(result: RowResult) -> None:
-                writer.write(result_row(result))
-                report.tokens += len(result.tokens)
-                progress.advance(len(result.tokens))
-
-            def failed(row: PreparedRow, message: str) -> None:
-                write_error(by_key[id_key(row.id)], message)
+            if row.error is not None or row.prompt is None or row.settings is None:
+                write_error(row, row.error or "no prompt")
                 progress.advance()
+                continue
+            if not loaded:
+                loaded.append(load())
+                # Started only now: the load shows its own spinner, and its time is no part of tokens/s.
+                progress = JobProgress(len(todo) if output.progress else 0, writer.rows, enabled=output.progress)
+            model, tokenizer = loaded[0]
+            try:
+                if row.settings.chat:
+                    require_chat_template(tokenizer)
+                prepared = prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash,
+                                       context=model.config.max_position_embeddings)
+            except RowError as e:
+                write_error(row, f"line {row.line}: {e}")
+                progress.advance()
+                continue
+            if prepared.dropped_tokens:
+                warning = truncation_warning(prepared, model.config.max_position_embeddings)
+                sys.stderr.write(f"row {json.dumps(row.id)}: {warning}\n")
+            by_key[id_key(row.id)] = row
+            yield prepared
 
-            for batch in plan_batches(prepared, batch_size or default_batch_size(model)):
-                _generate_isolating_failures(model, tokenizer, batch, done, failed)
+    def done(result: RowResult) -> None:
+        writer.write(result_row(result))
+        report.tokens += len(result.tokens)
+        progress.advance(len(result.tokens))
+
+    def failed(row: PreparedRow, message: str) -> None:
+        write_error(by_key.pop(id_key(row.id)), message)
+        progress.advance()
+
+    try:
+        source = prepared_rows()
+        first = next(source, None)
+        if first is not None:
+            model, tokenizer = loaded[0]
+            report.continuous = _generate_rows(model, tokenizer, itertools.chain([first], source),
+                                               batch_size or default_batch_size(model), done, failed)
     finally:
         progress.close()
         output.close()
@@ -350,8 +367,10 @@ def settings_record(settings: GenerationSettings) -> dict:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path, model_record) -> list[str]:
-    """Refuse to finish an output made by another model or from other rows; return the orphans' ids."""
+def _check_resumable(rows: Iterable[JobRow], finished: dict[str, dict], output_path,
+                     model_record) -> tuple[list[str], int]:
+    """Refuse to finish an output made by another model or from other rows; return the orphans' ids
+    and how many input rows are done already."""
     openai_input = any(row.url is not None for row in rows)
     openai_output = any("custom_id" in row for row in finished.values())
     if rows and openai_input != openai_output:
@@ -368,6 +387,7 @@ def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path,
                 f"({model_record['name']}, {model_record['fingerprint']}); resume with that model, "
                 "or use a new --output or --overwrite"
             )
+    done_keys = set()  # of the finished rows, those the input still has
     for row in rows:
         done = finished.get(id_key(row.id))
         if done is not None and output_row_key(done)[2].get("input_hash") != row.input_hash:
@@ -375,8 +395,31 @@ def _check_resumable(rows: list[JobRow], finished: dict[str, dict], output_path,
                 f"row {id_key(row.id)} (input line {row.line}) is not the row that produced it in {output_path}:"
                 " its prompt or settings changed; use a new --output, or --overwrite"
             )
-    input_keys = {id_key(row.id) for row in rows}
-    return [key for key in finished if key not in input_keys]
+        if done is not None:
+            done_keys.add(id_key(row.id))
+    return [key for key in finished if key not in done_keys], len(done_keys)
+
+
+def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: int, done, failed) -> Any:
+    """Every row: continuously (generation/continuous.py) where use_continuous says so, returning its
+    stats, else in planned batches (None)."""
+    from lmcli.generation.continuous import ContinuousRun, use_continuous
+
+    if not use_continuous(model):
+        for batch in plan_batches(list(rows), batch_size):
+            _generate_isolating_failures(model, tokenizer, batch, done, failed)
+        return None
+    from lmcli.generation.prefix_cache import prefix_cache_for
+
+    def isolate(stranded: list[PreparedRow]) -> None:
+        for row in stranded:
+            _generate_isolating_failures(model, tokenizer, [row], done, failed)
+
+    run = ContinuousRun(model, tokenizer, batch_size, on_done=done, alone=lambda row: isolate([row]),
+                        prefix_cache=prefix_cache_for(model))
+    run.run(rows, isolate, errors=(ValueError, RuntimeError, LmcliError))
+    run.stats.prefix_evicted = run.prefix_cache.stats.evicted if run.prefix_cache is not None else 0
+    return run.stats
 
 
 def _generate_isolating_failures(model, tokenizer, batch, done, failed) -> None:

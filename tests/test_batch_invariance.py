@@ -78,14 +78,19 @@ def test_tiny_quantized_rows_are_as_alone(case, kind, tmp_path):
     assert_rows_as_alone(model, pool)
 
 
-@pytest.mark.parametrize("name", ["smollm2", pytest.param("gemma", marks=pytest.mark.full)])  # gemma: ~1 min
-def test_real_quantized_rows_are_as_alone(name, request):
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("smollm2", (2, 8)),
+    pytest.param("gemma", (2, 8), marks=pytest.mark.full),  # ~1 min
+    pytest.param("smollm2", (2, 8, 32), marks=pytest.mark.full),
+    pytest.param("gemma", (2, 8, 32), marks=pytest.mark.full),  # several minutes
+])
+def test_real_quantized_rows_are_as_alone(name, sizes, request):
     """The default model and Gemma 3, quantized as loaded by default."""
     model, _ = lmcli.load(request.getfixturevalue(f"{name}_gguf"))
     assert model.batch_invariant
-    pool = prompts([(5 * i) % 9 + 3 for i in range(8)], seed=4)
+    pool = prompts([(5 * i) % 9 + 3 for i in range(max(sizes))], seed=4)
     pool = [p % model.config.vocab_size for p in pool]
-    assert_rows_as_alone(model, pool, new=3, sizes=(2, 8))
+    assert_rows_as_alone(model, pool, new=3, sizes=sizes)
 
 
 def test_job_at_batch_size_8_writes_what_batch_size_1_writes(tiny_checkpoint, tmp_path):

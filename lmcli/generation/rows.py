@@ -145,6 +145,85 @@ def plan_batches(rows: list[PreparedRow], batch_size: int) -> Iterator[list[Prep
             yield group[start : start + batch_size]
 
 
+@dataclass
+class BatchPolicy:
+    """How a batch's rows choose their tokens: built once per `generate` call from its rows' settings."""
+
+    do_sample: bool
+    processors: list  # the whole chain (penalties, then temperature and truncation), constraints first
+    mask: Any  # constraints.ConstraintMask, or None when no row is constrained
+    stop_at_eos: set[int]
+    pad_id: int
+
+
+def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[PreparedRow], width: int) -> BatchPolicy:
+    """The policy of rows sharing `batch_key()`, left-padded to `width` prompt tokens."""
+    from lmcli.generation.sampling import SamplingSettings
+
+    settings = rows[0].settings
+    eos_ids = tokenizer.eos_token_ids
+    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    vocab_size = model.config.vocab_size if settings.logit_bias else None
+    bias = settings.logit_bias_ids(tokenizer, vocab_size) if vocab_size is not None else {}
+    # The whole chain (penalties, then temperature and truncation) is built here, in transformers'
+    # order; generate()'s own temperature/top_k/top_p stay neutral.
+    # An encoder-decoder's prompt is its encoder's input: the text the processors see, and the one
+    # the new tokens continue, is the decoder's (its start token, then what it generates).
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
+        prompt_length=1 if encoder_decoder else width,
+        pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
+        eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
+    )
+    mask = None
+    if any(r.settings.constraint is not None for r in rows):
+        from lmcli.generation.constraints import ConstraintMask
+
+        # First in the chain: truncation (top-k/top-p) must choose among allowed tokens only.
+        mask = ConstraintMask(tokenizer, [r.settings.constraint for r in rows], model.config.vocab_size)
+        processors = [mask, *processors]
+    return BatchPolicy(do_sample, processors, mask, stop_at_eos, pad_id)
+
+
+def new_result(tokenizer: Tokenizer, row: PreparedRow, started: float, encoder_decoder: bool = False) -> RowResult:
+    from lmcli.streaming import RowText
+
+    return RowResult(row, RowText(tokenizer, row.settings.stop, () if encoder_decoder else row.prompt_ids),
+                     started=started, logprobs=[] if row.settings.logprobs is not None else None)
+
+
+def take_token(result: RowResult, token: int, stop_at_eos: set[int],
+               on_text: Callable[[RowResult, str], None] | None) -> str | None:
+    """Add a row's new token; returns why the row stops now ("eos", "stop", "length"), or None."""
+    result.tokens.append(token)
+    if result.first_token_at is None:
+        result.first_token_at = time.perf_counter()
+    if token in stop_at_eos:
+        return "eos"
+    piece = result.text.push(token)
+    if piece and on_text:
+        on_text(result, piece)
+    if result.text.stopped:
+        return "stop"
+    if len(result.tokens) >= result.row.settings.max_new_tokens:
+        return "length"
+    return None
+
+
+def finish_row(result: RowResult, reason: str, on_text: Callable[[RowResult, str], None] | None,
+               on_done: Callable[[RowResult], None] | None, error: str | None = None) -> None:
+    """End a row: the rest of its text, its finish reason, then `on_done`. `error`: its constraint's engine failed."""
+    result.error = error
+    piece = result.text.finish()
+    if piece and on_text:
+        on_text(result, piece)
+    result.finish_reason = reason
+    result.finished_at = time.perf_counter()
+    if on_done:
+        on_done(result)
+
+
 def generate_batch(
     model: GeneratingModel,
     tokenizer: Tokenizer,
@@ -163,15 +242,10 @@ def generate_batch(
     """
     import torch
 
-    from lmcli.generation.sampling import SamplingSettings
-    from lmcli.streaming import RowText
-
-    settings = rows[0].settings
     device = model.device
-    eos_ids = tokenizer.eos_token_ids
-    stop_at_eos = set() if settings.ignore_eos else set(eos_ids)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     width = max(len(r.prompt_ids) for r in rows)
+    policy = batch_policy(model, tokenizer, rows, width)
+    pad_id, mask, stop_at_eos = policy.pad_id, policy.mask, policy.stop_at_eos
     # Left padding, masked out: generate() gives each row what it gives alone.
     input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device)
     attention_mask = None
@@ -179,94 +253,51 @@ def generate_batch(
         attention_mask = torch.tensor(
             [[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows], device=device
         )
-    vocab_size = model.config.vocab_size if settings.logit_bias else None
-    bias = settings.logit_bias_ids(tokenizer, vocab_size) if vocab_size is not None else {}
-    # The whole chain (penalties, then temperature and truncation) is built here, in transformers'
-    # order; generate()'s own temperature/top_k/top_p stay neutral.
-    # An encoder-decoder's prompt is its encoder's input: the text the processors see, and the one
-    # the new tokens continue, is the decoder's (its start token, then what it generates).
+    top_logprobs = rows[0].settings.logprobs
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
-    do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
-        prompt_length=1 if encoder_decoder else width,
-        pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
-        eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
-    )
-    top_logprobs = settings.logprobs
-    mask = None
-    if any(r.settings.constraint is not None for r in rows):
-        from lmcli.generation.constraints import ConstraintMask
-
-        # First in the chain: truncation (top-k/top-p) must choose among allowed tokens only.
-        mask = ConstraintMask(tokenizer, [r.settings.constraint for r in rows], model.config.vocab_size)
-        processors = [mask, *processors]
-
     started = time.perf_counter()
-    results = [
-        RowResult(r, RowText(tokenizer, r.settings.stop, () if encoder_decoder else r.prompt_ids), started=started,
-                  logprobs=[] if top_logprobs is not None else None)
-        for r in rows
-    ]
+    results = [new_result(tokenizer, r, started, encoder_decoder) for r in rows]
 
-    def finish(result: RowResult, reason: str) -> None:
+    def finish(row: int, reason: str) -> None:
+        error = None
         if mask is not None:
-            row = results.index(result)
-            result.error = mask.row_error(row)  # the engine gave up on the row (e.g. one of its limits)
+            error = mask.row_error(row)  # the engine gave up on the row (e.g. one of its limits)
             mask.release(row)
-        piece = result.text.finish()
-        if piece and on_text:
-            on_text(result, piece)
-        result.finish_reason = reason
-        result.finished_at = time.perf_counter()
-        if on_done:
-            on_done(result)
+        finish_row(results[row], reason, on_text, on_done, error)
 
     def on_token(event: TokenEvent) -> torch.Tensor:
-        now = time.perf_counter()
         token_ids = event.token_id.tolist()
-        steps = _logprob_steps(tokenizer, event, top_logprobs) if top_logprobs is not None else None
+        steps = logprob_steps(tokenizer, event, top_logprobs) if top_logprobs is not None else None
         ended = [False] * len(results)
         for i, result in enumerate(results):
-            if result.done:
-                ended[i] = True
-                continue
-            token = token_ids[i]
-            result.tokens.append(token)
-            if result.first_token_at is None:
-                result.first_token_at = now
-            if steps is not None and result.logprobs is not None:
-                result.logprobs.append(steps(i))
-            if token in stop_at_eos:
-                finish(result, "eos")
-            else:
-                piece = result.text.push(token)
-                if piece and on_text:
-                    on_text(result, piece)
-                if result.text.stopped:
-                    finish(result, "stop")
-                elif len(result.tokens) >= result.row.settings.max_new_tokens:
-                    finish(result, "length")
+            if not result.done:
+                if steps is not None and result.logprobs is not None:
+                    result.logprobs.append(steps(i))
+                reason = take_token(result, token_ids[i], stop_at_eos, on_text)
+                if reason is not None:
+                    finish(i, reason)
             ended[i] = result.done
         return torch.tensor(ended, device=event.token_id.device)
 
     (run or model.generate)(
         input_ids,
         max_new_tokens=max(r.settings.max_new_tokens for r in rows),
-        do_sample=do_sample,
+        do_sample=policy.do_sample,
         attention_mask=attention_mask,
         eos_token_id=sorted(stop_at_eos) or None,
         pad_token_id=pad_id,
-        seed=[r.seed for r in rows] if do_sample else None,
-        logits_processors=processors,
+        seed=[r.seed for r in rows] if policy.do_sample else None,
+        logits_processors=policy.processors,
         on_token=on_token,
         ignore_output=True,  # on_token has seen every token already
     )
-    for result in results:
+    for i, result in enumerate(results):
         if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
-            finish(result, "length")
+            finish(i, "length")
     return results
 
 
-def _logprob_steps(tokenizer: Tokenizer, event: TokenEvent, k: int) -> Callable[[int], dict[str, Any]]:
+def logprob_steps(tokenizer: Tokenizer, event: TokenEvent, k: int) -> Callable[[int], dict[str, Any]]:
     """Per-row logprob entries for this step, from the raw logits (before temperature)."""
     import torch
 

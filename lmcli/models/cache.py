@@ -62,6 +62,35 @@ class _SlotCache:
         self.keys, self.values = fn(self.keys), fn(self.values)
         self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
 
+    # Continuous batching (generation/continuous.py): rows enter and leave a running batch's slots.
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _keeps(self, slots: torch.Tensor) -> torch.Tensor:
+        """Which of `slots` (after a shift) this cache can hold."""
+        raise NotImplementedError
+
+    def shift(self, d: int) -> None:
+        """Move every slot by `d` (slot s becomes s + d, for all rows); what falls outside is forgotten.
+        In place: the tensors keep their addresses."""
+        with torch.inference_mode():
+            for tensor in (self.keys, self.values):
+                tensor.copy_(torch.roll(tensor, d, dims=2))
+            held = torch.roll(self.slots, d)
+            moved = held + d
+            self.slots.copy_(torch.where((held >= 0) & (moved >= 0) & self._keeps(moved), moved, -1))
+
+    def place(self, row: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write one row's keys and values [nkv, n, hd] at `slots` [n] (ascending; the other rows keep theirs)."""
+        keep = slice(-self.keys.shape[2], None)  # a ring keeps only the last `capacity`
+        slots, keys, values = slots[keep], keys[:, keep], values[:, keep]
+        index = self._index(slots)
+        with torch.inference_mode():
+            self.keys[row].index_copy_(1, index, keys.to(self.keys.dtype))
+            self.values[row].index_copy_(1, index, values.to(self.values.dtype))
+            self.slots.index_copy_(0, index, slots)
+
 
 class KVCache(_SlotCache):
     """Every slot up to `max_length`; slot s lives at index s. Trimming moves the write position back."""
@@ -90,6 +119,12 @@ class KVCache(_SlotCache):
     def trimmable(self) -> int:
         """All it holds: later writes overwrite slot by slot, and the causal mask hides what lies after."""
         return _held_length(self.slots)
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots
+
+    def _keeps(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots < self.keys.shape[2]
 
 
 
@@ -122,6 +157,12 @@ class RollingKVCache(_SlotCache):
         keep = slice(-self.capacity, None)
         self._write(k[:, :, keep], v[:, :, keep], slots[keep])
         return keys, values, key_slots
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots % self.capacity
+
+    def _keeps(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots >= 0
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         index = slots % self.capacity
@@ -186,6 +227,17 @@ class ModelCache:
         for layer in self.layers:
             layer.traverse(fn)
         return self
+
+    def shift(self, d: int) -> None:
+        """Move every slot of every row by `d` (see _SlotCache.shift)."""
+        for layer in self.layers:
+            layer.shift(d)
+
+    def place(self, row: int, source: ModelCache, offset: int) -> None:
+        """Copy a one-row cache's keys (full layers, slots from 0) into `row`, slot s at s + offset."""
+        for layer, held in zip(self.layers, source.layers):
+            slots = held.slots[held.slots >= 0]
+            layer.place(row, held.keys[0, :, slots], held.values[0, :, slots], slots + offset)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer.keys, layer.values))
