@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from lmcli import threads
 from lmcli.config import eos_id_list
 from lmcli.generation import loop
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row_generators
@@ -204,6 +205,7 @@ class _Row:
             return self.width
         length, k = self.width + 1, self.max_draft
         while len(self.new_tokens) < self.max_new_tokens:
+            threads.recheck()  # the thread count follows the load, as in the plain loop
             room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
             want = min(k, room - 1)
             dists: list[torch.Tensor] | None = None
