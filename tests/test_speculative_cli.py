@@ -49,7 +49,10 @@ def test_bad_speculation_flags_get_one_line_and_exit_2(tiny_checkpoint, tiny_spm
     assert empty.exit_code == 2 and "the prompt is empty" in empty.stderr
 
 
-def test_a_job_with_prompt_lookup_writes_plain_greedy_rows(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("scheduler", ["", "continuous"])
+def test_a_job_with_prompt_lookup_writes_plain_greedy_rows(tiny_checkpoint, tmp_path, monkeypatch, scheduler):
+    """With continuous batching asked for (the default on quantized models) speculation must still run."""
+    monkeypatch.setenv("LMCLI_JOB_SCHEDULER", scheduler)
     rows = [{"id": i, "prompt": f"{PROMPT} {word}. The quick brown"} for i, word in enumerate(["one", "two", "three"])]
     rows.append({"id": 3, "prompt": "A different text", "max_new_tokens": 7})
     job = tmp_path / "job.jsonl"

@@ -51,10 +51,11 @@ MIN_CAPACITY = 256
 def use_continuous(model: Any) -> bool:
     """Whether a job runs its rows continuously (else in planned batches, rows.plan_batches): by default
     on decoder-only models whose rows are batch-invariant (only there is a row's text exactly its single
-    run's); never with a model split over ranks (--tp), whose ranks decode in step."""
+    run's); never with a model split over ranks (--tp), whose ranks decode in step, nor with speculation
+    (lmcli.speculation.SpeculatingModel), whose generate() this scheduler would bypass."""
     choice = os.environ.get(SCHEDULER_ENV, "")
     able = (hasattr(model, "forward_slots") and not getattr(model.config, "is_encoder_decoder", False)
-            and getattr(model, "tensor_parallel", None) is None)
+            and getattr(model, "tensor_parallel", None) is None and getattr(model, "speculator", None) is None)
     if choice == "batches" or not able:
         return False
     return choice == "continuous" or bool(getattr(model, "batch_invariant", False))
