@@ -18,6 +18,7 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "structured": "lmcli.bench_structured",  # decode with and without a JSON Schema, mask times
 }
 DEFAULT_SECTIONS = ("engines",)
 

@@ -41,6 +41,7 @@ class BenchSettings:
     threads: int | None = None  # default: lmcli's choice for the machine (lmcli.threads)
     background_load: int = 0  # busy loops spinning beside the engines in a second set of runs (0: none)
     sections: Sequence[str] = DEFAULT_SECTIONS  # lmcli.bench_sections: which parts of the bench run
+    structured_tokens: int = 128  # the most decode steps of a run with a JSON Schema (bench_structured)
 
     def quick(self) -> BenchSettings:
         """Less of everything: one round, no 4k context or batch 32, a shorter quality check."""
