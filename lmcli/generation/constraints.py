@@ -275,23 +275,25 @@ class ConstraintMask:
     """A logits processor: each step, every constrained row's disallowed tokens get -inf.
 
     `constraints` has one entry per batch row (None: the row is free). The masks of all rows are built
-    in one engine call per step (llguidance's executor, which releases the GIL). The processor follows
+    in one pass per step, into one bitmask, in the calling thread. The processor follows
     the text it is given: at its first call it takes the prompt as it is, and at each later call it
     feeds each row's newest token to that row's matcher. A new generate() call (text not one token
     longer than at the last call) starts the rows again. Raises ConstraintError for a constraint that
     the vocabulary cannot express or that exceeds the engine's limits.
 
-    With `overlap` (the default), generate() hands it each step's chosen tokens (`chosen`) before the
-    next forward pass, and the next masks are built on a worker thread while the model runs; the next
-    call only waits for them. Measured by `lmcli bench --sections structured` (docs/generation.md).
+    With `overlap`, generate() hands it each step's chosen tokens (`chosen`) before the next forward
+    pass, and the next masks are built on a worker thread while the model runs; the next call only
+    waits for them. It is off by default because it measured slower (`lmcli bench --sections
+    structured`, docs/generation.md): 2.9 against 8.6 tok/s at batch 1 and 11.4 against 17.7 at batch 8
+    on the busy 2-core machine. A mask takes a fraction of a millisecond, and the worker's Python (feeding
+    tokens, unpacking bits) needs the GIL that the forward pass's Python holds between ops, so each step
+    pays thread hand-offs that cost far more than the mask they hide.
     """
 
     needs_history = True  # it reads each row's newest token
 
     def __init__(self, tokenizer: Tokenizer, constraints: Sequence[Constraint | None], vocab_size: int,
-                 names: Sequence[str] | None = None, overlap: bool = True):
-        import llguidance
-
+                 names: Sequence[str] | None = None, overlap: bool = False):
         self.vocab_size = vocab_size
         self.engine = engine_tokenizer(tokenizer, vocab_size)
         self.eos_ids = list(tokenizer.eos_token_ids)
@@ -300,7 +302,6 @@ class ConstraintMask:
         self.matchers: list[llguidance.LLMatcher | None] = [
             self._matcher(c, name) if c is not None else None for c, name in zip(self.constraints, self.names)
         ]
-        self._executor = llguidance.LLExecutor(num_threads=1)  # rows are few; threads would contend with torch
         self.overlap = overlap
         self._worker: ThreadPoolExecutor | None = None
         self._pending: tuple[Future[np.ndarray], list[int], int] | None = None  # (masks, tokens fed, text length)
@@ -366,8 +367,10 @@ class ConstraintMask:
         rows, words = len(self.matchers), (self.vocab_size + 31) // 32
         bitmask = np.full((rows, words), -1, dtype=np.int32)  # (B, W): 32 tokens a word, bit set = allowed
         live = [(m, i) for i, m in enumerate(self.matchers) if m is not None and not m.is_error()]
-        if live:
-            self._executor.unsafe_compute_mask_ptr(live, bitmask.ctypes.data, words * 4, rows)
+        # Row by row in this thread: llguidance's LLExecutor would hand the rows to its own thread pool,
+        # whose wake-up cost 3-4 ms at p99 on a busy 2-core machine against 0.1 ms here (batch 8).
+        for matcher, i in live:
+            matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * words * 4, words * 4)
         for i, matcher in enumerate(self.matchers):
             if matcher is not None and matcher.is_error():
                 bitmask[i] = 0  # only end-of-text, so the row ends (it is finished, or the engine failed)
@@ -423,10 +426,13 @@ class ConstraintMask:
         self.constraints[row] = None
 
     def row_error(self, row: int) -> str | None:
-        """The engine's error for a row whose text broke its constraint (None when it has not)."""
+        """The engine's error for a row whose text broke its constraint, after the constraint's name
+        (None when it has not): e.g. a pattern that exhausted the engine's limits."""
         self._settle_keep()
         matcher = self.matchers[row]
-        return _one_line(matcher.get_error()) if matcher is not None and matcher.is_error() else None
+        if matcher is None or not matcher.is_error():
+            return None
+        return f"{self.names[row]}: {_one_line(matcher.get_error())}"
 
 
 def _allowed(bitmask: bytes, vocab_size: int) -> list[int]:
