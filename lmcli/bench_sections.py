@@ -18,6 +18,8 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "invariance": "lmcli.bench_invariance",  # the batch-invariant default against --fast-kernels
+    "startup": "lmcli.bench_startup",  # whole-process start-up and first token, with and without the packed cache
     "structured": "lmcli.bench_structured",  # decode with and without a JSON Schema, mask times
 }
 DEFAULT_SECTIONS = ("engines",)

@@ -24,8 +24,8 @@ from typing import Annotated, Any
 
 import typer
 
-from lmcli.bench import BenchSettings
 from lmcli.bench_sections import SECTIONS
+from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring modules load only for `bench`
 from lmcli.command_group import LmcliGroup
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS

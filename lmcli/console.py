@@ -250,7 +250,7 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
         ("checkpoint", resolved.described()),
         ("architecture", f"{config.architecture} (model_type {config.model_type})"),
         ("parameters", f"{human_count(parameters)} ({parameters:,})"),
-        ("dtype", str(model.dtype).removeprefix("torch.")),
+        ("dtype", describe_dtype(model)),
         *([("quantization", describe_gguf_storage(path))] if resolved.kind == "gguf" else []),
         ("weights", describe_weights(model)),
         ("context length", f"{config.max_position_embeddings:,} tokens"),
@@ -269,6 +269,14 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
     ]
 
 
+def describe_dtype(model: Any) -> str:
+    """"bfloat16", or for half-precision kernels in a float32 residual stream what runs in which."""
+    dtype, residual = (str(d).removeprefix("torch.") for d in (model.dtype, getattr(model, "residual_dtype", model.dtype)))
+    if dtype == residual:
+        return dtype
+    return f"{dtype} matrix products, attention and cache; {residual} residual stream, norms, rotary, top logits"
+
+
 def describe_weights(model: Any) -> str:
     """How the loaded model stores its weights: "int4pack 106.2M, int4pair 28.3M, bfloat16 35.1k"."""
     counts = sorted(model.weight_formats().items(), key=lambda item: -item[1])
@@ -283,6 +291,11 @@ def describe_cache(checkpoint: Path) -> str:
     root = cache_dir()
     entries = [f"a dequantised {dtype} copy, {human_bytes(size)} (used by --quantize none)"
                for dtype, size in dequantised_copies(checkpoint)]
+    if checkpoint.suffix == ".gguf":
+        from lmcli.io.packed_cache import entries_for
+
+        entries += [f"its loaded weights, packed, {human_bytes(entry.stat().st_size)} ({entry.relative_to(root)})"
+                    for entry in entries_for(checkpoint)]
     if (root / "kernels.json").is_file():
         entries.append("measured kernel choices (kernels.json)")
     return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")

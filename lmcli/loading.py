@@ -135,6 +135,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
     weights: Iterator[tuple[str, Any]]
 
+    packed = _packed_entry(resolved, quantize, dtype, device, tp)
+    loaded = None if packed is None else _from_packed(resolved, packed)
+    if loaded is not None:
+        return loaded
     if resolved.kind == "gguf":
         if tp is not None and tp > 1:
             from lmcli.distributed import refuse_gguf
@@ -195,14 +199,16 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         weights = _converted(weights, module.convert_checkpoint, config)
     if parallel is not None:
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
-    try:
-        with _uninitialised_parameters():
-            if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
-                built = module.build_model(config)
-            else:
-                built = BaseModel(config) if parallel is None else parallel.build_model()
-    except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
-        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
+    def skeleton() -> Any:
+        try:
+            with _uninitialised_parameters():
+                if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
+                    return module.build_model(config)
+                return BaseModel(config) if parallel is None else parallel.build_model()
+        except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
+            raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
+
+    built = skeleton()
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
         floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
@@ -219,7 +225,49 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     del head
     built.eval()
     release_freed_memory()
+    if packed is not None and type(built) is BaseModel:
+        from lmcli.io import packed_cache
+
+        packed_cache.save(built, tokenizer, hf_config, *packed)
     return built, tokenizer
+
+
+def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[BaseModel, Tokenizer | None] | None:
+    """The model and tokenizer as an earlier start loaded them (io/packed_cache.py), without reading
+    the GGUF; None where there is no usable entry."""
+    from lmcli import registry
+    from lmcli.io import packed_cache
+    from lmcli.models.base import BaseModel
+
+    entry = packed_cache.open_entry(*packed)
+    if entry is None:
+        return None
+    try:
+        config = registry.config_from_hf(dict(entry.hf_config), resolved.check_as, source=resolved.config_source)
+        with _uninitialised_parameters():
+            built = BaseModel(config)
+        entry.fill(built)
+        tokenizer = entry.tokenizer()
+    except (CheckpointError, *packed_cache.REFUSALS) as exc:
+        packed_cache.refuse(packed[0], exc)
+        return None
+    if resolved.tokenizer_path is not None:
+        tokenizer = _tokenizer_from(resolved.tokenizer_path)
+    release_freed_memory()
+    return built, tokenizer
+
+
+def _packed_entry(resolved: ResolvedModel, quantize: str | None, dtype: str | torch.dtype | None,
+                  device: torch.device, tp: int | None) -> tuple[Path, dict[str, Any]] | None:
+    """Where the packed cache (io/packed_cache.py) keeps this load, and its key; None where it does
+    not apply: only a GGUF kept quantized, on the CPU, in one process."""
+    from lmcli.io import packed_cache
+
+    if resolved.kind != "gguf" or quantize is not None or device.type != "cpu" or (tp or 1) > 1 \
+            or not packed_cache.enabled():
+        return None
+    key = packed_cache.cache_key(Path(resolved.path), dtype)
+    return packed_cache.entry_path(Path(resolved.path), key), key
 
 
 def release_freed_memory() -> None:
@@ -310,7 +358,8 @@ def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) ->
 def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],
                      dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Install each quantized weight into `built` as it arrives (quantizing float ones first under
-    --quantize); return the float tensors, in the activation dtype, for `fill_model`."""
+    --quantize); return the float tensors, in the residual dtype (see below), for `fill_model`."""
+    from lmcli.models.base import BaseModel
     from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
     from lmcli.models.linear import QuantizedInstaller
     from lmcli.quant.stored import GROUP, GroupQuantized
@@ -319,7 +368,10 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
         activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
     else:
         activation = resolve_dtype(dtype, device)
-    installer = QuantizedInstaller(built, activation, device, source)
+    # Half-precision kernels, float32 around them (the residual stream, norms, rotary, embedding rows,
+    # float weights): in bfloat16 those roundings added up to a wrong answer on the default model.
+    residual = torch.float32 if isinstance(built, BaseModel) and activation.itemsize < 4 else activation
+    installer = QuantizedInstaller(built, activation, device, source, residual)
     release_freed_memory()  # what reading the vocabulary and measuring kernels left behind
     to_quantize = _quantizable_names(built) if quantize in ("int4", "int8") else set()
     bits = 4 if quantize == "int4" else 8
@@ -334,8 +386,10 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
             del tensor
             release_freed_memory()  # the weight's codes and packing buffers, back to the system now
         else:
-            floats[name] = tensor.to(device=device, dtype=activation if tensor.is_floating_point() else tensor.dtype)
+            floats[name] = tensor.to(device=device, dtype=residual if tensor.is_floating_point() else tensor.dtype)
     built.kernel_choices = installer.choices
+    if residual != activation:
+        built.activation_dtype = activation
     built.batch_invariant = bool(installer.choices) and not fast_kernels()  # see models/row_attention.py
     return floats
 

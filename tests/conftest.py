@@ -28,6 +28,9 @@ def pytest_configure(config):
     global _session_cache
     _session_cache = tempfile.mkdtemp(prefix="lmcli-test-cache-")
     os.environ["LMCLI_CACHE_DIR"] = _session_cache
+    # Loads read the checkpoint itself (a test that patches loading code must see it run); the packed
+    # cache's own tests (test_startup_packed.py) turn it on.
+    os.environ.setdefault("LMCLI_PACKED_CACHE", "0")
 
 
 def pytest_unconfigure(config):

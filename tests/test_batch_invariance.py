@@ -103,11 +103,12 @@ def test_job_at_batch_size_8_writes_what_batch_size_1_writes(tiny_checkpoint, tm
     assert written[8] == written[1]
 
 
-@pytest.mark.xfail(strict=True, reason="known: bfloat16 activations answer L'Etoile...; --dtype float32 says Paris")
-def test_default_model_still_says_paris_with_chat(smollm2_gguf):
-    """The fixed kernels' rounding should keep the easy answer (without --chat: test_real_models.py)."""
-    result = CliRunner().invoke(app, ["generate", "-c", str(smollm2_gguf), "--chat", "--greedy", "-n", "12",
-                                      "What is the capital of France?"])
+@pytest.mark.parametrize("chat", [True, False])
+def test_default_model_still_says_paris(smollm2_gguf, chat):
+    """The float32 dequantised copy answers Paris, with --chat or not; so must the quantized default. With its
+    residual stream in bfloat16 the chat answer's first token tied (\"L'Etoile, la Marseillaise\")."""
+    prompt = ["--chat", "What is the capital of France?"] if chat else ["The capital of France is"]
+    result = CliRunner().invoke(app, ["generate", "-c", str(smollm2_gguf), "--greedy", "-n", "12", *prompt])
     assert result.exit_code == 0, result.stderr
     assert "Paris" in result.stdout
 

@@ -82,6 +82,9 @@ class BaseModel(WeightCounting, nn.Module):
         self.tie_weights()
         self.batch_invariant = False  # attention per row and query (models/row_attention.py), set at load
         self.kernel_choices: dict[str, Any] = {}  # weight format -> KernelChoice (models/kernel_plan.py)
+        # Quantized weights in half precision: the matrix products, attention and cache run in this dtype,
+        # the residual stream, norms and rotary in the (wider) float parameters' (`residual_dtype`).
+        self.activation_dtype: torch.dtype | None = None
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
         self.eval()
@@ -156,13 +159,13 @@ class BaseModel(WeightCounting, nn.Module):
                        last_only: bool) -> torch.Tensor:
         """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles."""
         config = self.config
-        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden), in the residual dtype
         if config.scale_embeddings:
             x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
         inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
-                                 by_row=self.batch_invariant)
+                                 by_row=self.batch_invariant, dtype=self.activation_dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:
@@ -272,7 +275,13 @@ class BaseModel(WeightCounting, nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activation dtype (weights may be stored quantized: see `weight_formats`)."""
+        """The activation dtype: of the matrix products, attention and the cache (weights may be stored
+        quantized: see `weight_formats`)."""
+        return self.activation_dtype or self.residual_dtype
+
+    @property
+    def residual_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream, the norms and rotary: the float parameters'."""
         return next(self.model.norm.parameters()).dtype
 
 

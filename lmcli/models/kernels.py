@@ -120,8 +120,9 @@ class Kernel(nn.Module):
         """(N, K) in the activation dtype, or None if this form cannot be expanded cheaply."""
         return None
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor | None:
-        """Rows `index` (R,) -> (R, K) in the activation dtype (an embedding lookup), or None."""
+    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """Rows `index` (R,) -> (R, K) in the activation dtype or `dtype` (an embedding lookup, or the
+        head's float32 logits: linear.QuantHead), or None."""
         return None
 
 
@@ -142,21 +143,23 @@ class DequantiseKernel(Kernel):
         offsets = q.offsets.to(dtype) if q.offsets is not None else None
         self.register_buffer("offsets", offsets, persistent=False)
 
-    def _expand(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    def _expand(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
         if self.bits == 4:
             codes = unpack_nibbles(codes)  # (R, K)
         rows = codes.shape[0]
-        grouped = codes.to(self.dtype).view(rows, -1, self.group) * scales[..., None]  # (R, G, group)
+        grouped = codes.to(dtype).view(rows, -1, self.group) * scales.to(dtype)[..., None]  # (R, G, group)
         if offsets is not None:
-            grouped = grouped + offsets[..., None]
+            grouped = grouped + offsets.to(dtype)[..., None]
         return grouped.view(rows, self.k)
 
     def dequantise(self) -> torch.Tensor:
         return self._expand(self.codes, self.scales, self.offsets)
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor:
+    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         offsets = None if self.offsets is None else self.offsets[index]
-        return self._expand(self.codes[index], self.scales[index], offsets)
+        return self._expand(self.codes[index], self.scales[index], offsets, dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantise())
@@ -235,22 +238,23 @@ class Int4PackKernel(Kernel):
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_zeros)  # (M, N)
 
-    def _expand(self, codes: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Codes (R, stored columns) of rows `rows` -> values (R, K): (code - 8) * s + z per group, and
-        for pairs 16 x high + low."""
-        sz = self.scales_and_zeros[:, rows]  # (G, R, 2)
+    def _expand(self, codes: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Codes (R, stored columns) of rows `rows` -> values (R, K) in the activation dtype or `dtype`:
+        (code - 8) * s + z per group, and for pairs 16 x high + low."""
+        dtype = dtype or self.dtype
+        sz = self.scales_and_zeros[:, rows].to(dtype)  # (G, R, 2)
         scales, zeros = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # (R, G, 1)
-        grouped = codes.to(self.dtype).view(len(rows), -1, self.group)
+        grouped = codes.to(dtype).view(len(rows), -1, self.group)
         values = ((grouped - 8) * scales + zeros).view(len(rows), self.columns)
         if self.pair:
             nibbles = values.view(len(rows), self.k, 2)
             values = 16 * nibbles[..., 0] + nibbles[..., 1]
         return values
 
-    def rows(self, index: torch.Tensor) -> torch.Tensor | None:
+    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if self.layout is None:
             return None
-        return self._expand(self.layout.unpack_rows(self.packed, self.n, self.columns, index), index)
+        return self._expand(self.layout.unpack_rows(self.packed, self.n, self.columns, index), index, dtype)
 
     def dequantise(self) -> torch.Tensor | None:
         if self.layout is None:

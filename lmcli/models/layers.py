@@ -28,11 +28,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Statistics in float32: half precision loses too much in mean(x^2). F.rms_norm computes
-        # x * rsqrt(mean(x^2) + eps) as the formula does, in fewer calls.
+        # x * rsqrt(mean(x^2) + eps) as the formula does, in fewer calls. The result is in the wider
+        # of x's and the weight's dtypes: a quantized model's float32 residual stream (see
+        # `Attention.forward`) takes a half-precision sublayer's output through a float32 norm.
+        out = torch.promote_types(x.dtype, self.weight.dtype)
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.unit_offset:  # gemma applies (1 + w) in float32, then casts
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return (normed * (1.0 + self.weight.float())).to(out)
+        return self.weight * normed.to(out)
 
 
 def make_norm(config: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -110,6 +113,9 @@ class AttentionInputs:
     # Batch-invariant attention (models/row_attention.py): layer type -> which keys each query reads.
     by_row: bool = False
     row_plans: dict[str, list] = field(default_factory=dict)
+    # The dtype attention and the cache compute in, where the hidden states are wider (a quantized
+    # model's float32 residual stream around bfloat16 matrix products); None: the hidden states' own.
+    dtype: torch.dtype | None = None
 
 
 class Attention(nn.Module):
@@ -160,8 +166,10 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(B, T, nkv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])), dim=1)
-        if self.use_rope:  # one rotation for the query and key heads together
+        if self.use_rope:  # one rotation for the query and key heads together, in the tables' dtype
             qk = apply_rope(qk, *inputs.rope[self.layer_type])
+        if inputs.dtype is not None:  # rotated in float32, attended in the cache's dtype
+            qk, v = qk.to(inputs.dtype), v.to(inputs.dtype)
         q, k = qk[:, :nh], qk[:, nh:]  # (B, nh, T, hd), (B, nkv, T, hd)
 
         if cache is None:
@@ -169,7 +177,7 @@ class Attention(nn.Module):
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
         if inputs.by_row:
-            return self._attend_by_row(q, k, v, key_slots, inputs)
+            return self.o_proj(self._attend_by_row(q, k, v, key_slots, inputs).to(x.dtype))
         mask = inputs.masks.get(self.layer_type)
         if mask is None:
             mask = inputs.masks[self.layer_type] = self._mask(inputs, key_slots, q.dtype)  # (B, 1, rep * T, S)
@@ -185,7 +193,7 @@ class Attention(nn.Module):
             out = torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
         out = out.reshape(B, self.num_heads, T, self.head_dim)  # (B, nh, T, hd)
         out = out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
-        return self.o_proj(out)
+        return self.o_proj(out.to(x.dtype))
 
     def _attend_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
                        inputs: AttentionInputs) -> torch.Tensor:
@@ -201,7 +209,7 @@ class Attention(nn.Module):
         q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
         out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)
         out = out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2)
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return out.reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
 
     def _mask(self, inputs: AttentionInputs, key_slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Additive [B, 1, rep * T, S] in `dtype`: 0 where a query may attend to a key, -inf elsewhere;

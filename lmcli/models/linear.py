@@ -23,18 +23,25 @@ from lmcli.quant.stored import GroupQuantized
 
 
 class QuantLinear(nn.Module):
-    """nn.Linear over a quantized weight: `kernel` for few rows, dequantise + F.linear from `large_rows` on."""
+    """nn.Linear over a quantized weight: `kernel` for few rows, dequantise + F.linear from `large_rows` on.
 
-    def __init__(self, kernel: Kernel, bias: torch.Tensor | None, large_rows: int | None):
+    The kernel multiplies in its own dtype (bfloat16 by default); `dtype`, the model's residual dtype
+    (float32 around half-precision kernels), is what it takes and gives: inputs are rounded to the
+    kernel's dtype here and only here, and what comes out is widened at once, so that the sums,
+    activation functions and norms between the products keep float32's precision."""
+
+    def __init__(self, kernel: Kernel, bias: torch.Tensor | None, large_rows: int | None,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         self.kernel, self.large_rows = kernel, large_rows
         self.in_features, self.out_features = kernel.k, kernel.n
+        self.dtype = dtype or kernel.dtype
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)  # (M, K)
+        flat = x.reshape(-1, self.in_features).to(self.kernel.dtype)  # (M, K)
         weight = self.kernel.dequantise() if self.large_rows is not None and flat.shape[0] >= self.large_rows else None
-        y = F.linear(flat, weight) if weight is not None else self.kernel.matmul(flat)  # (M, N)
+        y = (F.linear(flat, weight) if weight is not None else self.kernel.matmul(flat)).to(self.dtype)  # (M, N)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
@@ -43,18 +50,48 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel.name}"
 
 
+class QuantHead(QuantLinear):
+    """The output head over a quantized matrix, whose logits near each row's top are float32.
+
+    A half-precision kernel rounds logits to 8 significant bits (0.125 apart between 16 and 32), so a
+    near-tie for the most likely token was decided by that rounding (the default model answered
+    "L'Etoile" for "The" at a tie, where float32 is 0.08 apart). The tokens within `TOP_MARGIN` of a
+    row's largest logit (relative; several roundings wide, and a few tokens of the vocabulary) are
+    computed again from the float32 input and the kernel's weights in float32, each on its own
+    (a product summed over one row of K), so the value is the same whatever else the batch holds."""
+
+    TOP_MARGIN = 2**-5  # of the largest logit's magnitude: 4 to 8 bfloat16 roundings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(x)  # (..., V)
+        if self.kernel.dtype.itemsize >= 4:
+            return logits
+        flat, inputs = logits.float().reshape(-1, self.out_features), x.reshape(-1, self.in_features).float()  # (M, V), (M, K)
+        top = flat.amax(dim=-1, keepdim=True)  # (M, 1)
+        rows, tokens = (flat >= top - self.TOP_MARGIN * top.abs().clamp(min=1.0)).nonzero(as_tuple=True)  # (C,) each
+        weights = self.kernel.rows(tokens, torch.float32)  # (C, K)
+        if weights is None:  # a stored form without row lookup: the kernel's logits as they are
+            return logits
+        exact = (inputs[rows] * weights).sum(dim=-1)  # (C,)
+        if self.bias is not None:
+            exact = exact + self.bias.float()[tokens]
+        flat[rows, tokens] = exact
+        return flat.view(logits.shape)  # float32
+
+
 class QuantEmbedding(nn.Module):
     """nn.Embedding over a quantized matrix: gather the rows, dequantise only those."""
 
-    def __init__(self, kernel: Kernel, large_rows: int | None = None):
+    def __init__(self, kernel: Kernel, large_rows: int | None = None, dtype: torch.dtype | None = None):
         super().__init__()
         self.kernel, self.large_rows = kernel, large_rows  # large_rows: for a head tied to this matrix
         self.num_embeddings, self.embedding_dim = kernel.n, kernel.k
+        self.dtype = dtype or kernel.dtype  # of the rows returned: the residual stream's (exact widening)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.kernel.rows(ids.reshape(-1))
         assert rows is not None, "an embedding kernel must support row lookup"
-        return rows.view(*ids.shape, self.embedding_dim)
+        return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
 # --- installing into a model ------------------------------------------------------------------------
@@ -73,8 +110,10 @@ class QuantizedInstaller:
     no weight of its own) later shares the embedding's kernel (`tie_quantized_head`).
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, source: str = "checkpoint"):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, device: torch.device, source: str = "checkpoint",
+                 residual: torch.dtype | None = None):
         self.model, self.dtype, self.device, self.source = model, dtype, device, source
+        self.residual = residual or dtype  # what an embedding's rows are widened to
         self.choices: dict[str, KernelChoice] = {}
 
     def install(self, name: str, q: GroupQuantized) -> None:
@@ -107,10 +146,11 @@ class QuantizedInstaller:
         if isinstance(old, nn.Embedding):
             if kernel.rows(torch.zeros(1, dtype=torch.long, device=self.device)) is None:
                 kernel = build_kernel("dequantise", q, self.dtype, self.device)
-            setattr(parent, leaf, QuantEmbedding(kernel, large_rows))
+            setattr(parent, leaf, QuantEmbedding(kernel, large_rows, self.residual))
         else:
-            bias = None if old.bias is None else torch.empty(old.out_features, dtype=self.dtype, device=self.device)
-            setattr(parent, leaf, QuantLinear(kernel, bias, large_rows))  # the bias is filled by name later
+            bias = None if old.bias is None else torch.empty(old.out_features, dtype=self.residual, device=self.device)
+            head = QuantHead if module_path == "lm_head" else QuantLinear
+            setattr(parent, leaf, head(kernel, bias, large_rows, self.residual))  # bias: filled by name later
 
 
 def tie_quantized_head(model: nn.Module) -> bool:
@@ -118,7 +158,7 @@ def tie_quantized_head(model: nn.Module) -> bool:
     embedding: Any = model.get_submodule("model.embed_tokens")
     if not isinstance(embedding, QuantEmbedding):
         return False
-    model.lm_head = QuantLinear(embedding.kernel, None, embedding.large_rows)
+    model.lm_head = QuantHead(embedding.kernel, None, embedding.large_rows, embedding.dtype)
     return True
 
 
@@ -181,7 +221,7 @@ def fuse_linears(parts: Sequence[nn.Module]) -> nn.Module | None:
         fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=requires_grad)  # (N, K)
         fused.register_parameter("bias", None if bias is None else nn.Parameter(bias, requires_grad=requires_grad))
         return fused
-    if all(type(m) is QuantLinear for m in modules) and len({m.large_rows for m in modules}) == 1:
+    if all(type(m) is QuantLinear for m in modules) and len({(m.large_rows, m.dtype) for m in modules}) == 1:
         kernel = concat_kernels([m.kernel for m in modules])
-        return None if kernel is None else QuantLinear(kernel, bias, modules[0].large_rows)
+        return None if kernel is None else QuantLinear(kernel, bias, modules[0].large_rows, modules[0].dtype)
     return None

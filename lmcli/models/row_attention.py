@@ -40,9 +40,12 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
     slot_is_token [B, S_total]. Shared by the layers of one type (they have the same key slots).
 
     `one_call_per_row` (bfloat16, no window): all of a row's queries in one call on its keys from its
-    first one, padded with masked keys to a multiple of KEY_BLOCK; measured on torch's CPU kernel, a
-    query's output is then the same whatever the number of queries or of padded keys in the call
-    (not so at other key counts, nor in float32). Otherwise one call per query, on exactly its keys."""
+    first one, padded with masked keys to a multiple of KEY_BLOCK, the queries as the call's batch (each
+    its own rep query-head rows: with them as rows of one matrix, torch's CPU kernel blocked them by
+    their number, and a query prefilled among 11 came out one rounding away from the same query alone);
+    measured on torch's CPU kernel, a query's output is then the same whatever the number of queries or
+    of padded keys in the call (not so at other key counts, nor in float32). Otherwise one call per
+    query, on exactly its keys."""
     slots = key_slots.cpu()
     queries = query_slots.cpu()
     is_token = slot_is_token.cpu()
@@ -86,14 +89,16 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list
         query = by_query[b, :, :, where].reshape(1, nkv, rep * n, hd)
         keys = k[b:b + 1].index_select(2, call.keys)  # (1, nkv, s, hd)
         values = v[b:b + 1].index_select(2, call.keys)
-        mask = None
-        if call.mask is not None:
+        if call.mask is not None:  # the row's queries as a batch of n, each its own rep rows (see row_plans)
             extra = call.mask.shape[1] - keys.shape[2]  # masked padding keys
-            keys = torch.cat([keys, keys.new_zeros(1, nkv, extra, hd)], dim=2)
-            values = torch.cat([values, values.new_zeros(1, nkv, extra, hd)], dim=2)
-            mask = call.mask.repeat(rep, 1)[None, None]  # (1, 1, rep * n, padded)
+            keys = torch.cat([keys, keys.new_zeros(1, nkv, extra, hd)], dim=2).expand(n, -1, -1, -1)
+            values = torch.cat([values, values.new_zeros(1, nkv, extra, hd)], dim=2).expand(n, -1, -1, -1)
+            query = by_query[b, :, :, call.queries].permute(2, 0, 1, 3)  # (n, nkv, rep, hd)
+            got = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask[:, None, None], scale=scale)
+            out[b, :, :, call.queries] = got.permute(1, 2, 0, 3)  # (nkv, rep, n, hd)
+            continue
         if softcap is None:
-            got = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+            got = F.scaled_dot_product_attention(query, keys, values, scale=scale)
         else:
             scores = (query @ keys.transpose(-2, -1)) * scale  # (1, nkv, rep, s)
             scores = torch.tanh(scores / softcap) * softcap

@@ -1,0 +1,208 @@
+"""A loaded model's tree as data, and back: what io/packed_cache.py keeps of a quantized model.
+
+`describe` turns the model (after loading, fusing and tying) into JSON-able data and the list of
+tensors to store; `apply` rebuilds that tree in a model built from the same config, with the stored
+tensors (mapped from the entry, not copied). Only the kernels of models/kernels.py and the modules
+of models/linear.py are rebuilt, by setting their recorded settings, so what a load makes is kept as
+it was made; anything else (an unknown kernel, a setting of an unknown type) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+                                                      torch.int8, torch.int32, torch.int64, torch.bool)}
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class Damaged(ValueError):
+    """An entry that is not what this format writes, or does not fit the model."""
+
+
+def _module_classes() -> dict[str, Any]:
+    from lmcli.models.linear import QuantEmbedding, QuantHead, QuantLinear
+
+    return {cls.__name__: cls for cls in (QuantLinear, QuantHead, QuantEmbedding)}
+
+
+MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # what a load sets on the model
+
+
+def _kernel_classes() -> dict[str, Any]:
+    from lmcli.models.kernels import DequantiseKernel, Int4PackKernel
+
+    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel)}
+
+
+def _plain(value: Any) -> Any:
+    """A kernel setting as JSON; ValueError for anything this format does not know how to keep."""
+    from lmcli.models.kernels import PackLayout
+
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, PackLayout):
+        return {"layout": [value.block, list(value.rows)]}
+    raise ValueError(f"a kernel setting of type {type(value).__name__}")
+
+
+def _unplain(value: Any) -> Any:
+    from lmcli.models.kernels import PackLayout
+
+    if isinstance(value, dict) and set(value) == {"dtype"}:
+        return DTYPES[value["dtype"]]
+    if isinstance(value, dict) and set(value) == {"layout"}:  # torch's, for the torch and CPU of the key
+        block, rows = value["layout"]
+        return PackLayout(int(block), tuple(int(r) for r in rows))
+    if isinstance(value, _PLAIN):
+        return value
+    raise ValueError("an unknown kernel setting")
+
+
+def describe(model: nn.Module) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """The header's description of `model` and the tensors to store, in order (each stored once)."""
+    from lmcli.models.linear import QuantEmbedding, QuantLinear
+
+    tensors: list[torch.Tensor] = []
+    index: dict[tuple, int] = {}
+
+    def stored(tensor: torch.Tensor) -> dict[str, Any]:
+        if tensor.device.type != "cpu" or str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+            raise ValueError(f"a {tensor.dtype} tensor on {tensor.device}")
+        transposed = tensor.dim() == 2 and not tensor.is_contiguous() and tensor.t().is_contiguous()
+        data = tensor.t() if transposed else tensor.contiguous()
+        identity = (data.data_ptr(), tuple(data.shape), data.dtype)
+        if identity not in index:
+            index[identity] = len(tensors)
+            tensors.append(data)
+        return {"tensor": index[identity], "transposed": transposed}
+
+    kernels: list[dict[str, Any]] = []
+    kernel_index: dict[int, int] = {}
+    classes = {cls: name for name, cls in _kernel_classes().items()}
+    modules: list[dict[str, Any]] = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        for leaf, child in module._modules.items():
+            if child is None:
+                modules.append({"path": f"{path}.{leaf}" if path else leaf, "type": None})
+        if isinstance(module, (QuantLinear, QuantEmbedding)):
+            kernel = module.kernel
+            if id(kernel) not in kernel_index:
+                if type(kernel) not in classes:
+                    raise ValueError(f"a kernel of type {type(kernel).__name__}")
+                settings = {k: _plain(v) for k, v in vars(kernel).items() if not k.startswith("_")}
+                buffers = {name: stored(b) for name, b in kernel._buffers.items() if b is not None}
+                kernel_index[id(kernel)] = len(kernels)
+                kernels.append({"class": classes[type(kernel)], "settings": settings, "buffers": buffers,
+                                "none": [name for name, b in kernel._buffers.items() if b is None]})
+            if type(module).__name__ not in _module_classes():
+                raise ValueError(f"a module of type {type(module).__name__}")
+            settings = {k: _plain(v) for k, v in vars(module).items() if not k.startswith("_")}
+            modules.append({"path": path, "type": type(module).__name__, "kernel": kernel_index[id(kernel)],
+                            "settings": settings})
+    parameters = {name: stored(p) for name, p in model.named_parameters(remove_duplicate=False)
+                  if not _inside_kernel(name)}
+    buffers = {name: stored(b) for name, b in model.named_buffers(remove_duplicate=False) if not _inside_kernel(name)}
+    paths = [path for path, _ in model.named_modules(remove_duplicate=False) if path]
+    from dataclasses import asdict
+
+    choices = {kind: asdict(choice) for kind, choice in getattr(model, "kernel_choices", {}).items()}
+    return {"modules": modules, "paths": paths, "kernels": kernels, "parameters": parameters, "buffers": buffers,
+            "kernel_choices": choices, "batch_invariant": bool(getattr(model, "batch_invariant", False)),
+            "activation_dtype": _plain(getattr(model, "activation_dtype", None))}, tensors
+
+
+def _inside_kernel(name: str) -> bool:
+    return ".kernel." in f".{name}"
+
+
+def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -> None:
+    from lmcli.models.kernel_plan import KernelChoice, kernel_plan
+
+    module_classes = _module_classes()
+
+    def tensor(ref: dict[str, Any]) -> torch.Tensor:
+        view = views[ref["tensor"]]
+        return view.t() if ref["transposed"] else view
+
+    choices = {kind: KernelChoice(**fields) for kind, fields in header["kernel_choices"].items()}
+    for kind, choice in choices.items():  # the plan this process would choose (a re-probe may change it)
+        plan = kernel_plan(kind, DTYPES[choice.dtype], "cpu")
+        if (plan.kernel, plan.large_rows) != (choice.kernel, choice.large_rows):
+            raise Damaged(f"the {kind} kernel plan changed")
+    classes = _kernel_classes()
+    kernels = []
+    for entry in header["kernels"]:
+        cls = classes[entry["class"]]
+        kernel = cls.__new__(cls)
+        nn.Module.__init__(kernel)
+        for name, value in entry["settings"].items():
+            setattr(kernel, _settable(cls, name), _unplain(value))
+        for name, ref in entry["buffers"].items():
+            kernel.register_buffer(_settable(cls, name), tensor(ref), persistent=False)
+        for name in entry["none"]:
+            kernel.register_buffer(_settable(cls, name), None, persistent=False)
+        kernels.append(kernel)
+
+    def parent_of(path: str) -> tuple[nn.Module, str]:
+        owner, _, leaf = path.rpartition(".")
+        parent = model.get_submodule(owner) if owner else model
+        # A name the entry sets must be a plain attribute: never one of the class's (a method, a property).
+        if not leaf.isidentifier() or leaf.startswith("_") or hasattr(type(parent), leaf):
+            raise Damaged(f"a module or tensor named {path!r}")
+        return parent, leaf
+
+    for entry in header["modules"]:
+        parent, leaf = parent_of(entry["path"])
+        if entry["type"] is None:
+            setattr(parent, leaf, None)
+        else:  # a module of models/linear.py, its settings as recorded, over its kernel
+            cls = module_classes[entry["type"]]
+            module = cls.__new__(cls)
+            nn.Module.__init__(module)
+            for name, value in entry["settings"].items():
+                setattr(module, _settable(cls, name), _unplain(value))
+            module.kernel = kernels[entry["kernel"]]
+            setattr(parent, leaf, module)
+    keep = set(header["paths"])
+    for path, _ in sorted(model.named_modules(remove_duplicate=False), key=lambda item: -item[0].count(".")):
+        if path and path not in keep:
+            parent, leaf = parent_of(path)
+            if leaf in parent._modules:
+                delattr(parent, leaf)
+    for name, ref in header["parameters"].items():
+        parent, leaf = parent_of(name)
+        parent.__dict__.pop(leaf, None)  # a None set as a plain attribute (a QuantLinear without bias)
+        parent._parameters[leaf] = nn.Parameter(tensor(ref), requires_grad=False)
+    for name, ref in header["buffers"].items():
+        parent, leaf = parent_of(name)
+        parent.__dict__.pop(leaf, None)
+        parent._buffers[leaf] = tensor(ref)
+    if sorted(n for n, _ in model.named_modules(remove_duplicate=False) if n) != sorted(keep):
+        raise Damaged("module tree differs")
+    # Every parameter and buffer of the rebuilt tree came from the entry (none left unfilled).
+    filled = set(header["parameters"]) | set(header["buffers"])
+    present = {n for n, _ in model.named_parameters(remove_duplicate=False)} | \
+              {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    if {n for n in present if not _inside_kernel(n)} != filled:
+        raise Damaged("parameters differ from the model's")
+    setattr(model, "kernel_choices", choices)  # noqa: B010  (plain attributes of BaseModel, not modules)
+    setattr(model, "batch_invariant", bool(header["batch_invariant"]))  # noqa: B010
+    setattr(model, "activation_dtype", _unplain(header["activation_dtype"]))  # noqa: B010
+    model.eval()
+
+
+def _settable(cls: type, name: str) -> str:
+    """`name`, if it may be set on a kernel: a public attribute that is not one of the class's methods
+    or properties (a plain class default, like `name`, may be)."""
+    default = getattr(cls, name, None)
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_") or callable(default) \
+            or isinstance(default, property | functools.cached_property):
+        raise Damaged(f"a kernel setting named {name!r}")
+    return name
