@@ -22,6 +22,7 @@ SECTIONS: dict[str, str] = {
     "job": "lmcli.bench_job",
     "startup": "lmcli.bench_startup",  # whole-process start-up and first token, with and without the packed cache
     "speculative": "lmcli.bench_speculative",
+    "structured": "lmcli.bench_structured",  # decode with and without a JSON Schema, mask times
 }
 DEFAULT_SECTIONS = ("engines",)
 

@@ -43,6 +43,7 @@ class BenchSettings:
     sections: Sequence[str] = DEFAULT_SECTIONS  # lmcli.bench_sections: which parts of the bench run
     job_file: str | None = None  # bench_job: the job to run (default: LMCLI_BENCH_JOB, else its target job)
     job_rows: int = 48  # bench_job: rows of its target job
+    structured_tokens: int = 128  # the most decode steps of a run with a JSON Schema (bench_structured)
 
     def quick(self) -> BenchSettings:
         """Less of everything: one round, no 4k context or batch 32, a shorter quality check."""

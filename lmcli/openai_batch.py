@@ -171,6 +171,8 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 
 def response_row(custom_id: str, url: str, result: Any, model_name: str, record: dict) -> dict:
     """A successful response row for a finished RowResult; `record` is lmcli's own (input hash, model, ...)."""
+    if result.error is not None:  # the constraint's engine gave up on the text: no valid response
+        return error_row(custom_id, result.error, record)
     key = _key(custom_id, record["input_hash"])
     text = result.text.text
     finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)

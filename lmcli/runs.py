@@ -108,6 +108,8 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         sys.stdout.flush()
     else:
         output.end()
+    if result.error is not None:  # the constraint's engine gave up on the text: it is not valid
+        raise LmcliError(result.error)
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
 

@@ -64,15 +64,16 @@ def smol(smollm2_gguf):
     return lmcli.load(smollm2_gguf)
 
 
-def run(model, tokenizer, prompts, constraints, seeds, max_new_tokens=60, extra=(), chat=True):
-    """Completions as (text, ended_at_eos) per row, from one left-padded generate() call."""
+def run(model, tokenizer, prompts, constraints, seeds, max_new_tokens=60, extra=(), chat=True, overlap=True):
+    """Completions as (text, ended_at_eos) per row, from one left-padded generate() call; `overlap`:
+    the masks built beside the forward pass (the default) or after it."""
     encoded = [tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else tokenizer.encode(p)
                for p in prompts]
     width = max(map(len, encoded))
     pad = tokenizer.eos_token_ids[0]
     ids = torch.tensor([[pad] * (width - len(e)) + e for e in encoded])
     attention = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
-    mask = ConstraintMask(tokenizer, constraints, model.config.vocab_size)
+    mask = ConstraintMask(tokenizer, constraints, model.config.vocab_size, overlap=overlap)
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=seeds is not None, seed=seeds,
                          attention_mask=attention, eos_token_id=tokenizer.eos_token_ids, pad_token_id=pad,
                          logits_processors=[*extra, mask])
@@ -137,14 +138,19 @@ def test_end_of_text_only_where_the_grammar_accepts(smol):
     assert free == ""  # the bias does end an unconstrained row at once
 
 
-def test_batch_equals_each_row_alone_with_mixed_constraints(smol):
+@pytest.mark.parametrize("sampled", [True, False])
+def test_batch_equals_each_row_alone_with_mixed_constraints(smol, sampled):
+    """Each row of a mixed batch (masks built beside the forward pass) equals the row alone with its
+    masks built after it: neither the neighbours nor the overlap change a row."""
     model, tokenizer = smol
     cases = [("Give a person as JSON.", Constraint.parse("json_schema", PERSON), 11),
              ("Tell me a story.", None, 12),
              ("Phone?", Constraint.parse("regex", PHONE), 13)]
-    batch = run(model, tokenizer, [c[0] for c in cases], [c[1] for c in cases], [c[2] for c in cases], 40)
-    for case, together in zip(cases, batch):
-        assert run(model, tokenizer, [case[0]], [case[1]], [case[2]], 40) == [together]
+    seeds = [c[2] for c in cases] if sampled else None
+    batch = run(model, tokenizer, [c[0] for c in cases], [c[1] for c in cases], seeds, 40)
+    for i, (case, together) in enumerate(zip(cases, batch)):
+        alone = run(model, tokenizer, [case[0]], [case[1]], [seeds[i]] if seeds else None, 40, overlap=False)
+        assert alone == [together]
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -9,7 +9,7 @@ import re
 import jsonschema
 import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
-from real_models import smollm2_gguf  # noqa: F401 (fixture)
+from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixtures)
 from test_structured import PERSON, PHONE, SUMS, TAGS, is_sum
 from typer.testing import CliRunner
 
@@ -141,3 +141,110 @@ def test_chat_set_changes_the_constraint(tiny_checkpoint):
     assert session.set_setting("regex", "off").constraint is None
     with pytest.raises(ChatError, match="/set regex: invalid regex"):
         session.set_setting("regex", "(a")
+
+
+PATHOLOGICAL = "((((a|b|c|d|e){1,10}){1,10}){1,10}){1,10}"  # grows the engine's lexer past its limits
+
+
+def test_stop_string_streams_its_final_text(smollm2_gguf, tmp_path):
+    """A stop string inside constrained text: the text held back while it might be the stop string is
+    the same streamed as written, and the row says "stop" (its text is cut, so not claimed valid)."""
+    flags = ("-c", smollm2_gguf, "--chat", "--seed", "3", "--json-schema", json.dumps(PERSON), "--stop", '"role"')
+    streamed = cli("generate", *flags, "Describe a person.")
+    assert streamed.exit_code == 0, streamed.output
+    [line] = cli("generate", *flags, "--format", "jsonl", "Describe a person.").stdout.splitlines()
+    result = json.loads(line)
+    assert result["finish_reason"] == "stop", result
+    assert streamed.stdout.rstrip("\n") == result["completion"]
+    assert result["completion"].startswith('{"name": "') and '"ro' not in result["completion"], result
+
+
+@pytest.mark.parametrize("kind", ["regex", "grammar"])
+def test_regex_and_grammar_flags_on_the_default_model(smollm2_gguf, tmp_path, kind):
+    grammar = tmp_path / "sums.lark"
+    grammar.write_text(SUMS)
+    flag, prompt, judge = {"regex": (["--regex", PHONE], "What is the phone number?", lambda t: re.fullmatch(PHONE, t)),
+                           "grammar": (["--grammar", grammar], "Write a sum.", is_sum)}[kind]
+    result = cli("generate", "-c", smollm2_gguf, "--chat", "--greedy", *flag, "--format", "jsonl", prompt)
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["finish_reason"] == "eos" and judge(row["completion"]), row
+
+
+def test_a_row_cut_by_the_token_limit_says_length(smollm2_gguf):
+    result = cli("generate", "-c", smollm2_gguf, "--chat", "--greedy", "-n", "6", "--json-schema", json.dumps(PERSON),
+                 "--format", "jsonl", "Describe a person.")
+    assert result.exit_code == 0, result.output
+    row = json.loads(result.stdout)
+    assert row["finish_reason"] == "length" and row["completion_tokens"] == 6 and "error" not in row, row
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(row["completion"])  # an unfinished object: nothing may take it for a valid one
+
+
+def test_a_pathological_regex_is_stopped_and_reported(smollm2_gguf):
+    result = cli("generate", "-c", smollm2_gguf, "--greedy", "-n", "30", "--regex", PATHOLOGICAL, "aaaa")
+    assert result.exit_code == 1, result.output
+    [message] = [line for line in result.output.splitlines() if "--regex" in line]
+    assert "too many" in message and "Traceback" not in result.output, result.output
+
+
+def test_job_rows_the_engine_or_the_vocabulary_refuse_are_error_rows(smollm2_gguf, tmp_path):
+    """A row no token can start, and one past the engine's limits, are error rows; the job goes on."""
+    rows = [{"id": "impossible", "prompt": "x", "regex": r"[^\x00-\U0010FFFF]"},
+            {"id": "limits", "prompt": "aaaa", "regex": PATHOLOGICAL, "temperature": 0, "max_new_tokens": 30},
+            {"id": "free", "prompt": "Hello", "max_new_tokens": 3, "seed": 1}]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    result = cli("generate", "-c", smollm2_gguf, "--input", source, "-o", out)
+    assert result.exit_code == 1, result.output
+    by_id = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
+    assert "no token of this model's vocabulary can start it" in by_id["impossible"]["error"], by_id
+    assert "too many" in by_id["limits"]["error"], by_id
+    assert "error" not in by_id["free"] and by_id["free"]["finish_reason"] == "length", by_id
+
+
+def test_an_openai_row_the_engine_gave_up_on_is_an_error_row():
+    from types import SimpleNamespace
+
+    from lmcli.openai_batch import CHAT, response_row
+
+    result = SimpleNamespace(error="--json-schema: too many lexer states", text=SimpleNamespace(text='{"a'))
+    row = response_row("r1", CHAT, result, "model", {"input_hash": "abc"})
+    assert row["response"] is None and row["error"]["message"] == "--json-schema: too many lexer states", row
+
+
+@pytest.mark.full  # Gemma 3's 262k vocabulary: its engine tokenizer alone takes seconds to build
+def test_gemma_job_and_openai_batch(gemma_gguf, tmp_path):
+    """On Gemma 3 (its GGUF has no chat template: plain prompts), an lmcli job and an OpenAI batch file
+    of completions with a schema, a regex and response_format; judged by jsonschema and re.fullmatch."""
+    rows = [{"id": f"person{seed}", "prompt": "A person as JSON:", "json_schema": PERSON, "seed": seed,
+             "max_new_tokens": 120} for seed in (1, 2)]
+    rows.append({"id": "phone", "prompt": "Phone number:", "regex": PHONE, "seed": 3})
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    result = cli("generate", "-c", gemma_gguf, "--input", source, "-o", out)
+    assert result.exit_code == 0, result.output
+    ended = 0
+    for row in map(json.loads, out.read_text().splitlines()):
+        if row["finish_reason"] == "eos":
+            ended += 1
+            if row["id"] == "phone":
+                assert re.fullmatch(PHONE, row["completion"]), row
+            else:
+                jsonschema.validate(json.loads(row["completion"]), PERSON)
+    requests = [{"custom_id": f"tags{seed}", "method": "POST", "url": "/v1/completions",
+                 "body": {"prompt": "Colours as JSON:", "seed": seed, "max_tokens": 120, "response_format":
+                          {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS, "strict": True}}}}
+                for seed in (4, 5)]
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    result = cli("generate", "-c", gemma_gguf, "--input", batch, "-o", tmp_path / "batch_out.jsonl")
+    assert result.exit_code == 0, result.output
+    for row in map(json.loads, (tmp_path / "batch_out.jsonl").read_text().splitlines()):
+        choice = row["response"]["body"]["choices"][0]
+        if choice["finish_reason"] == "stop":
+            ended += 1
+            jsonschema.validate(json.loads(choice["text"]), TAGS)
+    assert ended >= 3

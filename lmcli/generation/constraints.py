@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from lmcli.errors import LmcliError
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future, ThreadPoolExecutor
+
     import llguidance
+    import numpy as np
     import torch
 
     from lmcli.io.tokenizer import Tokenizer
@@ -272,19 +275,25 @@ class ConstraintMask:
     """A logits processor: each step, every constrained row's disallowed tokens get -inf.
 
     `constraints` has one entry per batch row (None: the row is free). The masks of all rows are built
-    in one engine call per step (llguidance's executor, which releases the GIL). The processor follows
+    in one pass per step, into one bitmask, in the calling thread. The processor follows
     the text it is given: at its first call it takes the prompt as it is, and at each later call it
     feeds each row's newest token to that row's matcher. A new generate() call (text not one token
     longer than at the last call) starts the rows again. Raises ConstraintError for a constraint that
     the vocabulary cannot express or that exceeds the engine's limits.
+
+    With `overlap`, generate() hands it each step's chosen tokens (`chosen`) before the next forward
+    pass, and the next masks are built on a worker thread while the model runs; the next call only
+    waits for them. It is off by default because it measured slower (`lmcli bench --sections
+    structured`, docs/generation.md): 2.9 against 8.6 tok/s at batch 1 and 11.4 against 17.7 at batch 8
+    on the busy 2-core machine. A mask takes a fraction of a millisecond, and the worker's Python (feeding
+    tokens, unpacking bits) needs the GIL that the forward pass's Python holds between ops, so each step
+    pays thread hand-offs that cost far more than the mask they hide.
     """
 
     needs_history = True  # it reads each row's newest token
 
     def __init__(self, tokenizer: Tokenizer, constraints: Sequence[Constraint | None], vocab_size: int,
-                 names: Sequence[str] | None = None):
-        import llguidance
-
+                 names: Sequence[str] | None = None, overlap: bool = False):
         self.vocab_size = vocab_size
         self.engine = engine_tokenizer(tokenizer, vocab_size)
         self.eos_ids = list(tokenizer.eos_token_ids)
@@ -293,9 +302,12 @@ class ConstraintMask:
         self.matchers: list[llguidance.LLMatcher | None] = [
             self._matcher(c, name) if c is not None else None for c, name in zip(self.constraints, self.names)
         ]
-        self._executor = llguidance.LLExecutor(num_threads=1)  # rows are few; threads would contend with torch
+        self.overlap = overlap
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future[np.ndarray], list[int], int] | None = None  # (masks, tokens fed, text length)
         self._seen = -1  # text length at the last call
-        self.mask_seconds: list[float] = []  # per step: feeding the tokens, building and applying the masks
+        self.mask_seconds: list[float] = []  # per step: feeding the tokens and building the masks, wherever it ran
+        self.blocked_seconds: list[float] = []  # per call: what the caller waited for (masks, then applying them)
 
     def _matcher(self, constraint: Constraint, name: str) -> llguidance.LLMatcher:
         import llguidance
@@ -311,9 +323,64 @@ class ConstraintMask:
         raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")  # e.g. past the engine's limits
 
     def reset(self) -> None:
+        self._settle()
         for matcher in self.matchers:
             if matcher is not None:
                 matcher.reset()
+
+    def chosen(self, tokens: torch.Tensor) -> None:
+        """generate()'s hook: the tokens [B] just chosen, before the forward pass that follows them. With
+        `overlap`, the rows' matchers take them and the next masks are built meanwhile on a thread."""
+        if not self.overlap or self._seen == -1:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        fed = tokens.tolist()
+        self._settle()
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lmcli-masks")
+        self._pending = (self._worker.submit(self._build, fed), fed, self._seen + 1)
+
+    def _settle_keep(self) -> None:
+        """Wait for masks being built on the worker, keeping them for the next call."""
+        if self._pending is not None:
+            self._pending[0].result()
+
+    def _settle(self) -> np.ndarray | None:
+        """Wait for masks being built on the worker, if any, so that the matchers are the caller's again."""
+        pending, self._pending = self._pending, None
+        return pending[0].result() if pending is not None else None
+
+    def _build(self, newest: list[int] | None) -> np.ndarray:
+        """Feed each live row its newest token (None: the prompt, nothing to feed), then build every row's
+        mask of disallowed tokens: (B, W*32) bool, False throughout a free row. Runs on the worker with
+        `overlap`; it touches only the matchers and its own arrays."""
+        import time
+
+        import numpy as np
+
+        started = time.perf_counter()
+        if newest is not None:
+            for matcher, token in zip(self.matchers, newest):
+                if matcher is not None and not matcher.is_error() and not matcher.is_stopped():
+                    matcher.consume_token(token)  # once stopped (after end-of-text) the row only pads
+        rows, words = len(self.matchers), (self.vocab_size + 31) // 32
+        bitmask = np.full((rows, words), -1, dtype=np.int32)  # (B, W): 32 tokens a word, bit set = allowed
+        live = [(m, i) for i, m in enumerate(self.matchers) if m is not None and not m.is_error()]
+        # Row by row in this thread: llguidance's LLExecutor would hand the rows to its own thread pool,
+        # whose wake-up cost 3-4 ms at p99 on a busy 2-core machine against 0.1 ms here (batch 8).
+        for matcher, i in live:
+            matcher.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * words * 4, words * 4)
+        for i, matcher in enumerate(self.matchers):
+            if matcher is not None and matcher.is_error():
+                bitmask[i] = 0  # only end-of-text, so the row ends (it is finished, or the engine failed)
+                for eos in self.eos_ids:
+                    bitmask.view(np.uint32)[i, eos // 32] |= np.uint32(1 << (eos % 32))
+        # numpy unpacks bits in one single-threaded pass: several small torch ops would each wake
+        # torch's thread pool, which costs milliseconds on a busy machine.
+        disallowed = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little").view(np.bool_)  # (B, W*32)
+        self.mask_seconds.append(time.perf_counter() - started)
+        return disallowed
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """input_ids [B, S] (the text so far), logits [B, V] -> logits with disallowed tokens at -inf."""
@@ -325,51 +392,47 @@ class ConstraintMask:
             raise ValueError(f"ConstraintMask has {len(self.matchers)} rows but the batch has {logits.shape[0]}")
         started = time.perf_counter()
         length = input_ids.shape[1]
-        if length == self._seen + 1:
-            newest = input_ids[:, -1].tolist()
-            for matcher, token in zip(self.matchers, newest):
-                if matcher is not None and not matcher.is_error() and not matcher.is_stopped():
-                    matcher.consume_token(token)  # once stopped (after end-of-text) the row only pads
-        elif self._seen != -1:
-            self.reset()
+        pending = self._pending
+        ahead = self._settle()
+        if ahead is not None and pending is not None and pending[2] == length and (
+                input_ids[:, -1].tolist() == pending[1]):
+            disallowed = ahead  # built on the worker from this text's newest tokens
+        else:
+            restart = ahead is not None or (self._seen != -1 and length != self._seen + 1)
+            if restart:
+                self.reset()  # a new text: the rows start again from its prompt
+            disallowed = self._build(None if restart or self._seen == -1 else input_ids[:, -1].tolist())
+            ahead = None
         self._seen = length
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(self.matchers), words), -1, dtype=torch.int32)  # (B, W): 32 tokens a word
-        live = [(m, i) for i, m in enumerate(self.matchers) if m is not None and not m.is_error()]
-        if live:
-            self._executor.unsafe_compute_mask_ptr(live, bitmask.data_ptr(), words * 4, len(self.matchers))
-        for i, matcher in enumerate(self.matchers):
-            if matcher is not None and matcher.is_error():
-                bitmask[i] = 0  # only end-of-text, so the row ends (it is finished, or the engine failed)
-                for eos in self.eos_ids:
-                    bitmask[i, eos // 32] |= _bit(eos % 32)
-        shifts = torch.arange(32, dtype=torch.int32)
-        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().view(bitmask.shape[0], -1)  # (B, W*32)
+        blocked = torch.from_numpy(disallowed)
         vocab = logits.shape[-1]
-        if allowed.shape[1] < vocab:  # logits wider than the engine's vocabulary: the rest is never allowed
-            allowed = torch.cat([allowed, allowed.new_zeros(allowed.shape[0], vocab - allowed.shape[1])], 1)
-        allowed = allowed[:, :vocab].to(logits.device)
-        unconstrained = torch.tensor([m is None for m in self.matchers], device=logits.device)
-        allowed |= unconstrained[:, None]
-        masked = logits.masked_fill(~allowed, float("-inf"))
-        self.mask_seconds.append(time.perf_counter() - started)
+        if blocked.shape[1] < vocab:  # logits wider than the engine's vocabulary: the rest only for free rows
+            constrained = torch.tensor([m is not None for m in self.matchers])
+            blocked = torch.cat([blocked, constrained[:, None].expand(-1, vocab - blocked.shape[1])], 1)
+        blocked = blocked[:, :vocab]
+        released = [i for i, m in enumerate(self.matchers) if m is None]
+        if released and ahead is not None:  # rows released while their masks were being built
+            blocked = blocked.clone()
+            blocked[released] = False
+        masked = logits.masked_fill(blocked.to(logits.device), float("-inf"))
+        self.blocked_seconds.append(time.perf_counter() - started)
         return masked
 
     def release(self, row: int) -> None:
         """The row has ended (stop string, token limit): its matcher is dropped, and the padding that
         follows is not fed to it."""
+        self._settle_keep()
         self.matchers[row] = None
         self.constraints[row] = None
 
     def row_error(self, row: int) -> str | None:
-        """The engine's error for a row whose text broke its constraint (None when it has not)."""
+        """The engine's error for a row whose text broke its constraint, after the constraint's name
+        (None when it has not): e.g. a pattern that exhausted the engine's limits."""
+        self._settle_keep()
         matcher = self.matchers[row]
-        return _one_line(matcher.get_error()) if matcher is not None and matcher.is_error() else None
-
-
-def _bit(index: int) -> int:
-    """Bit `index` of an int32 word, as a signed value (bit 31 is the sign)."""
-    return -(1 << 31) if index == 31 else 1 << index
+        if matcher is None or not matcher.is_error():
+            return None
+        return f"{self.names[row]}: {_one_line(matcher.get_error())}"
 
 
 def _allowed(bitmask: bytes, vocab_size: int) -> list[int]:

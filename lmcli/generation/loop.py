@@ -172,6 +172,8 @@ def generate_from_cache(model: SlotModel[CacheT], x: torch.Tensor, max_new_token
         next_token = torch.where(finished, torch.full_like(next_token, pad_token_id), next_token)
         if parallel is not None:
             next_token = parallel.share_tokens(next_token)  # tensor parallel: every rank takes rank 0's
+        if step + 1 < max_new_tokens:
+            chain.chosen(next_token)  # before the next forward pass, which a processor may work beside
         if length == capacity:
             # Only with a trimmed history (ignore_output), and only past max_position_embeddings,
             # where the cache is no longer used and slots are window-relative: keep the last window.

@@ -266,6 +266,15 @@ class ProcessorChain:
     def __init__(self, processors: Iterable[LogitsProcessor]):
         self.processors = list(processors)
         self.needs_history = any(getattr(p, "needs_history", True) for p in self.processors)
+        # Processors that want each step's chosen tokens before the next forward pass (a constraint's
+        # masks are built meanwhile); see ConstraintMask.chosen.
+        hooks = (getattr(p, "chosen", None) for p in self.processors)
+        self._told: list[Callable[[torch.Tensor], None]] = [hook for hook in hooks if callable(hook)]
+
+    def chosen(self, tokens: torch.Tensor) -> None:
+        """The tokens [B] just chosen, before the model runs on them."""
+        for tell in self._told:
+            tell(tokens)
 
     def __bool__(self) -> bool:
         return bool(self.processors)
