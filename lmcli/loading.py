@@ -199,16 +199,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         weights = _converted(weights, module.convert_checkpoint, config)
     if parallel is not None:
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
-    def skeleton() -> Any:
-        try:
-            with _uninitialised_parameters():
-                if hasattr(module, "build_model"):  # an architecture of its own (the encoder-decoders)
-                    return module.build_model(config)
-                return BaseModel(config) if parallel is None else parallel.build_model()
-        except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
-            raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
-
-    built = skeleton()
+    built = _skeleton(config, source, module, parallel)
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
         floats = _place_quantized(built, weights, quantize, kinds, dtype, device, source)
@@ -232,20 +223,32 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     return built, tokenizer
 
 
+def _skeleton(config: Any, source: str, module: Any = None, parallel: Any = None) -> Any:
+    """The model `config` describes, its parameters not yet filled in: an architecture's own
+    (`module.build_model`, the encoder-decoders), a rank's part (`parallel`), or the shared BaseModel."""
+    from lmcli.models.base import BaseModel
+
+    try:
+        with _uninitialised_parameters():
+            if module is not None and hasattr(module, "build_model"):
+                return module.build_model(config)
+            return BaseModel(config) if parallel is None else parallel.build_model()
+    except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
+        raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
+
+
 def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[BaseModel, Tokenizer | None] | None:
     """The model and tokenizer as an earlier start loaded them (io/packed_cache.py), without reading
     the GGUF; None where there is no usable entry."""
     from lmcli import registry
     from lmcli.io import packed_cache
-    from lmcli.models.base import BaseModel
 
     entry = packed_cache.open_entry(*packed)
     if entry is None:
         return None
     try:
         config = registry.config_from_hf(dict(entry.hf_config), resolved.check_as, source=resolved.config_source)
-        with _uninitialised_parameters():
-            built = BaseModel(config)
+        built = _skeleton(config, str(resolved.path))
         entry.fill(built)
         tokenizer = entry.tokenizer()
     except (CheckpointError, *packed_cache.REFUSALS) as exc:
