@@ -48,6 +48,8 @@ from lmcli.bench_settings import ENGINES, FORMATS, BenchSettings, settings_from_
 if TYPE_CHECKING:  # torch loads only when a benchmark runs: `lmcli --help` stays quick
     import torch
 
+    from lmcli.model_ref import ResolvedModel
+
 __all__ = ["ENGINES", "FORMATS", "BenchSettings", "decode_rate", "greedy_agreement", "main", "mean_kl_divergence",
            "print_report", "run", "settings_from_options"]
 
@@ -162,7 +164,7 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
     settings.checkpoint, settings.model = str(resolved.path), resolved.check_as
     results: dict[str, Any] = {"checkpoint": str(resolved.path.resolve())}
     if "engines" in settings.sections:
-        results.update(_run_engines(settings, chosen, progress))
+        results.update(_run_engines(settings, resolved, chosen, progress))
     sections: dict[str, Any] = {}
     for name in settings.sections:
         if name != "engines":
@@ -173,11 +175,12 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda messag
     return results
 
 
-def _run_engines(settings: BenchSettings, chosen: Any, progress: Callable[[str], None]) -> dict[str, Any]:
+def _run_engines(settings: BenchSettings, resolved: ResolvedModel, chosen: Any,
+                 progress: Callable[[str], None]) -> dict[str, Any]:
     """The engine comparison: prefill, decode, scaling and quality of lmcli, transformers and llama.cpp."""
     from lmcli.loading import resolve_device, resolve_dtype
 
-    path = Path(settings.checkpoint or "").resolve()
+    path = resolved.path.resolve()
     threads = settings.threads  # None: each worker chooses for itself, as lmcli would (llama.cpp: every CPU)
     float_dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
     native = _native_format(path)
