@@ -138,8 +138,9 @@ def test_cli_prompt_lookup_prints_plain_greedy_text_and_its_stats(tiny_checkpoin
 
 @pytest.mark.full  # loads the default model
 def test_a_verify_pass_gives_each_guess_a_one_token_steps_logits(smollm2_gguf):
-    # bfloat16 with batch-invariant attention: one attention call of several queries rounds some of them
-    # differently from a call of one (without each_query_alone, every guess here came out different).
+    # bfloat16 with batch-invariant attention: a row's queries are the attention call's batch, so one
+    # call of several queries gives each what a call of one gives it (with them as rows of one matrix,
+    # every guess here came out different).
     from lmcli.generation.loop import positions_from_mask
 
     model, tokenizer = lmcli.load(smollm2_gguf)
@@ -155,7 +156,7 @@ def test_a_verify_pass_gives_each_guess_a_one_token_steps_logits(smollm2_gguf):
                             last_only=True)
         if chunked:
             return model.forward_slots(ids[:, start:], positions[:, start:width], torch.arange(start, width),
-                                       slot_is_token, cache, each_query_alone=True)[0]
+                                       slot_is_token, cache)[0]
         return torch.cat([model.forward_slots(ids[:, s:s + 1], positions[:, s:s + 1], torch.arange(s, s + 1),
                                               slot_is_token, cache)[0] for s in range(start, width)])
 

@@ -4,8 +4,8 @@ in fewer passes of the model over its weights.
 At each step a row proposes up to k tokens: by prompt lookup, those that followed the latest n-gram's
 previous occurrence in its prompt or its text so far; with a draft model, the draft's own choices
 (speculative_draft.py). The model then reads its last token and the k guesses in one pass through the
-cache, each query computed as a one-token step computes it (`each_query_alone`), so its logits at
-each position are plain decoding's. Greedy keeps the longest prefix of guesses equal to its own
+cache; batch-invariant attention computes each query as a one-token step computes it
+(models/row_attention.py), so its logits at each position are plain decoding's. Greedy keeps the longest prefix of guesses equal to its own
 argmax, plus its next token after it; sampling keeps or replaces each guess by the standard rule
 (speculative_sampling.py). Rejected keys and values are trimmed from the caches (rolling caches keep
 `num_draft_tokens` spare slots for that). Processors see, at each verified position, the text as
@@ -218,9 +218,9 @@ class _Row:
             end = length + len(guess)
             self.ids[0, length:end] = torch.tensor(guess, dtype=torch.long)
             # The newest token, then the guesses, each query as a one-token step would compute it.
-            logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],  # type: ignore[call-arg]
+            logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],
                                          torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
-                                         last_only=not guess, each_query_alone=bool(guess))[0, -1 - len(guess):]
+                                         last_only=not guess)[0, -1 - len(guess):]
             logits = logits.float()  # (1 + len(guess), V)
             self.stats.passes += 1
             self.stats.drafted += len(guess)

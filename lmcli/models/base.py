@@ -146,22 +146,17 @@ class BaseModel(WeightCounting, nn.Module):
         slot_is_token: torch.Tensor,  # [B, S_total] False for pad columns
         cache: ModelCache | None = None,
         last_only: bool = False,
-        each_query_alone: bool = False,
     ) -> torch.Tensor:
-        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`.
-
-        `each_query_alone`: every query's logits exactly as a one-token step gives them (a speculative
-        verify pass; with batch-invariant attention it then makes a call per query: row_attention.py)."""
+        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`."""
         compiled = self._compiled_decode
         if compiled is not None and cache is not None and input_ids.shape[1] == 1:
             return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache, last_only)
         slot_end = int(query_slots[-1]) + 1 if cache is not None else None  # one host sync per call
-        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only,
-                                   each_query_alone)
+        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
 
     def _forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                        slot_is_token: torch.Tensor, cache: ModelCache | None, slot_end: int | None,
-                       last_only: bool, each_query_alone: bool = False) -> torch.Tensor:
+                       last_only: bool) -> torch.Tensor:
         """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles."""
         config = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden), in the residual dtype
@@ -170,8 +165,7 @@ class BaseModel(WeightCounting, nn.Module):
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
         inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
-                                 by_row=self.batch_invariant, dtype=self.activation_dtype,
-                                 each_query_alone=each_query_alone)
+                                 by_row=self.batch_invariant, dtype=self.activation_dtype)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:

@@ -116,7 +116,6 @@ class AttentionInputs:
     # The dtype attention and the cache compute in, where the hidden states are wider (a quantized
     # model's float32 residual stream around bfloat16 matrix products); None: the hidden states' own.
     dtype: torch.dtype | None = None
-    each_query_alone: bool = False  # a speculative verify pass: see row_attention.row_plans
 
 
 class Attention(nn.Module):
@@ -205,8 +204,7 @@ class Attention(nn.Module):
         if plans is None:
             one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None
             plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots, inputs.slot_is_token,
-                                                                  self.window, q.dtype, one_call,
-                                                                  inputs.each_query_alone)
+                                                                  self.window, q.dtype, one_call)
         rep = self.num_heads // self.num_kv_heads
         q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
         out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)

@@ -35,8 +35,7 @@ class RowCall:
 
 
 def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token: torch.Tensor,
-              window: int | None, dtype: torch.dtype, one_call_per_row: bool,
-              each_query_alone: bool = False) -> list[RowCall]:
+              window: int | None, dtype: torch.dtype, one_call_per_row: bool) -> list[RowCall]:
     """The calls that attend every real query of every row: key_slots [S] (-1: empty), query_slots [T],
     slot_is_token [B, S_total]. Shared by the layers of one type (they have the same key slots).
 
@@ -46,12 +45,8 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
     their number, and a query prefilled among 11 came out one rounding away from the same query alone);
     measured on torch's CPU kernel, a query's output is then the same whatever the number of queries or
     of padded keys in the call (not so at other key counts, nor in float32). Otherwise one call per
-    query, on exactly its keys.
-
-    `each_query_alone` (a speculative verify pass): in the one-call form, each query gets exactly the
-    call a one-token step makes for it (its own key count), so its numbers are a step's by construction.
-    (Before the queries were the call's batch, a verify pass of several queries as rows of one matrix
-    rounded 1-2% of them differently from one query alone.)"""
+    query, on exactly its keys. So a speculative verify pass of several queries gives each the numbers
+    a one-token step gives it (tests/test_speculative.py checks this on the default model)."""
     slots = key_slots.cpu()
     queries = query_slots.cpu()
     is_token = slot_is_token.cpu()
@@ -65,14 +60,13 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
         if not real:
             continue
         if one_call_per_row:
-            for group in ([[t] for t in real] if each_query_alone else [real]):
-                end = int(torch.searchsorted(ordered, queries[group].max(), right=True))
-                padded = -(-end // KEY_BLOCK) * KEY_BLOCK
-                key_slot = torch.full((padded,), torch.iinfo(torch.long).max)
-                key_slot[:end] = ordered[:end]
-                allowed = key_slot[None, :] <= queries[group][:, None]  # (Q, padded): causal; padding never
-                mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-                calls.append(RowCall(row, group, index[:end].to(key_slots.device), mask.to(key_slots.device)))
+            end = int(torch.searchsorted(ordered, queries[real].max(), right=True))
+            padded = -(-end // KEY_BLOCK) * KEY_BLOCK
+            key_slot = torch.full((padded,), torch.iinfo(torch.long).max)
+            key_slot[:end] = ordered[:end]
+            allowed = key_slot[None, :] <= queries[real][:, None]  # (Q, padded): causal; padding never
+            mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+            calls.append(RowCall(row, real, index[:end].to(key_slots.device), mask.to(key_slots.device)))
             continue
         for t in real:
             q = int(queries[t])
