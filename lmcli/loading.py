@@ -269,7 +269,7 @@ def _packed_entry(resolved: ResolvedModel, quantize: str | None, dtype: str | to
     if resolved.kind != "gguf" or quantize is not None or device.type != "cpu" or (tp or 1) > 1 \
             or not packed_cache.enabled():
         return None
-    key = packed_cache.cache_key(Path(resolved.path), dtype)
+    key = packed_cache.cache_key(Path(resolved.path), dtype, resolved.fingerprint)
     return packed_cache.entry_path(Path(resolved.path), key), key
 
 

@@ -65,15 +65,14 @@ def _code_version() -> str:
     return digest.hexdigest()[:20]
 
 
-def cache_key(gguf_path: Path, dtype: str | torch.dtype | None) -> dict[str, Any]:
-    """What an entry must have been made under to be used for loading `gguf_path` with `dtype` now."""
-    from lmcli.fingerprint import checkpoint_fingerprint
-
+def cache_key(gguf_path: Path, dtype: str | torch.dtype | None, fingerprint: str) -> dict[str, Any]:
+    """What an entry must have been made under to be used for loading `gguf_path` with `dtype` now;
+    `fingerprint`: the checkpoint's (lmcli.fingerprint, as the resolved model has it)."""
     stat = gguf_path.stat()
     return {
         "format": FORMAT,
         "source": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-        "fingerprint": checkpoint_fingerprint(gguf_path),
+        "fingerprint": fingerprint,
         "code": _code_version(),
         "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
         "dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),
