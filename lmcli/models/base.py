@@ -156,8 +156,9 @@ class BaseModel(WeightCounting, nn.Module):
 
     def _forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                        slot_is_token: torch.Tensor, cache: ModelCache | None, slot_end: int | None,
-                       last_only: bool) -> torch.Tensor:
-        """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles."""
+                       last_only: bool, row_gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles
+        (`row_gather`: a one-token step's batch-invariant attention as tensors, models/compiled_step.py)."""
         config = self.config
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden), in the residual dtype
         if config.scale_embeddings:
@@ -165,7 +166,7 @@ class BaseModel(WeightCounting, nn.Module):
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
         inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
-                                 by_row=self.batch_invariant, dtype=self.activation_dtype)
+                                 by_row=self.batch_invariant, dtype=self.activation_dtype, row_gather=row_gather)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:

@@ -244,10 +244,11 @@ class Int4PackKernel(Kernel):
         dtype = dtype or self.dtype
         sz = self.scales_and_zeros[:, rows].to(dtype)  # (G, R, 2)
         scales, zeros = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # (R, G, 1)
-        grouped = codes.to(dtype).view(len(rows), -1, self.group)
-        values = ((grouped - 8) * scales + zeros).view(len(rows), self.columns)
+        r = rows.shape[0]  # not len(): a symbolic size stays symbolic when the step is exported
+        grouped = codes.to(dtype).view(r, -1, self.group)
+        values = ((grouped - 8) * scales + zeros).view(r, self.columns)
         if self.pair:
-            nibbles = values.view(len(rows), self.k, 2)
+            nibbles = values.view(r, self.k, 2)
             values = 16 * nibbles[..., 0] + nibbles[..., 1]
         return values
 

@@ -116,6 +116,9 @@ class AttentionInputs:
     # The dtype attention and the cache compute in, where the hidden states are wider (a quantized
     # model's float32 residual stream around bfloat16 matrix products); None: the hidden states' own.
     dtype: torch.dtype | None = None
+    # A one-token step's batch-invariant attention as tensors (gather index [B, P], additive mask
+    # [B, 1, 1, P]; models/compiled_step.py): what a compiled program takes instead of `row_plans`.
+    row_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Attention(nn.Module):
@@ -176,6 +179,11 @@ class Attention(nn.Module):
             key_slots = inputs.query_slots
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
+        if inputs.by_row and inputs.row_gather is not None:
+            from lmcli.models.row_attention import attend_gathered
+
+            out = attend_gathered(q, k, v, *inputs.row_gather, self.scale)  # (B, 1, nh*hd)
+            return self.o_proj(out.to(x.dtype))
         if inputs.by_row:
             return self.o_proj(self._attend_by_row(q, k, v, key_slots, inputs).to(x.dtype))
         mask = inputs.masks.get(self.layer_type)

@@ -1,0 +1,103 @@
+"""The one-token decode step as a program built ahead of time (torch.export + AOTInductor).
+
+`torch.compile` traces the step again in every process; here it is exported once (every tensor an
+input: the token, its position, the cache's keys and values, which it updates in place), compiled to
+a shared library with the weights inside, and loaded back in later processes in about a second
+(io/compiled_cache.py keeps the builds). Only what the exported graph can express is built: full
+(non-rolling) caches, and, on the batch-invariant path, the one-call-per-row attention (bfloat16,
+no window, no softcap), whose per-row key plan is computed here on the host as two tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lmcli.models.row_attention import KEY_BLOCK
+
+if TYPE_CHECKING:
+    from lmcli.models.base import BaseModel
+    from lmcli.models.cache import ModelCache
+
+
+def unsupported(model: BaseModel) -> str | None:
+    """Why the step of `model` cannot be built (one line), or None."""
+    config = model.config
+    if getattr(model, "tensor_parallel", None) is not None:
+        return "tensor-parallel models stay eager"
+    if config.sliding_window is not None and any(t == "sliding_attention" for t in config.layer_types):
+        return "sliding-window layers (a rolling cache) are not exported"
+    if model.batch_invariant and (model.dtype != torch.bfloat16 or config.attn_logit_softcapping is not None):
+        return "batch-invariant attention is exported only in bfloat16 without a softcap"
+    return None
+
+
+def decode_plan(slot_is_token: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's keys for a one-token step at slot end - 1: the slots before `end` that hold tokens,
+    in slot order, padded with masked keys to a common multiple of KEY_BLOCK (as `row_plans` pads
+    each row's own call; the padding adds exactly nothing). -> index [B, P] long, mask [B, 1, 1, P]."""
+    is_token = slot_is_token[:, :end]  # (B, end)
+    counts = is_token.sum(-1)  # (B,)
+    longest = max(int(counts.max()), 1)
+    padded = -(-longest // KEY_BLOCK) * KEY_BLOCK
+    slots = torch.arange(end, device=is_token.device)
+    order = torch.argsort(torch.where(is_token, slots, slots + end), dim=-1, stable=True)  # tokens first
+    index = torch.zeros((is_token.shape[0], padded), dtype=torch.long, device=is_token.device)
+    width = min(end, padded)
+    index[:, :width] = order[:, :width]
+    visible = torch.arange(padded, device=is_token.device)[None] < counts.clamp(min=1)[:, None]  # (B, P)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=is_token.device).masked_fill_(~visible, float("-inf"))
+    return index, mask[:, None, None]
+
+
+class DecodeStep(nn.Module):
+    """model._forward_slots for one token a row, on flat tensors: what torch.export sees."""
+
+    def __init__(self, model: BaseModel):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                slot_is_token: torch.Tensor, history: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor], slots: list[torch.Tensor]) -> torch.Tensor:
+        from lmcli.models.cache import KVCache, ModelCache
+
+        layers = []
+        for k, v, s in zip(keys, values, slots, strict=True):
+            layer = KVCache.__new__(KVCache)
+            layer.keys, layer.values, layer.slots = k, v, s
+            layers.append(layer)
+        row_gather = (index, mask) if self.model.batch_invariant else None
+        return self.model._forward_slots(input_ids, positions, query_slots, slot_is_token, ModelCache(layers),
+                                         history.shape[0], True, row_gather)
+
+
+def step_inputs(model: BaseModel, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int) -> tuple[Any, ...]:
+    index, mask = decode_plan(slot_is_token, slot_end, model.dtype)
+    history = torch.empty(slot_end, dtype=torch.bool)  # only its length is read: the step's history as a size
+    return (input_ids, positions, query_slots, slot_is_token, history, index, mask,
+            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+            [layer.slots for layer in cache.layers])
+
+
+def export_step(model: BaseModel, cache: ModelCache, example: tuple[Any, ...]) -> torch.export.ExportedProgram:
+    auto = torch.export.Dim.AUTO
+    n = len(cache.layers)
+    shapes = ({}, {}, {}, {1: auto}, {0: auto}, {1: auto}, {3: auto},
+              [{2: auto}] * n, [{2: auto}] * n, [{0: auto}] * n)
+    with torch.inference_mode(False), torch.no_grad():  # tensors made under inference mode cannot be traced
+        example = torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, example)
+        return torch.export.export(DecodeStep(model), example, dynamic_shapes=shapes, strict=False)
+
+
+def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: str) -> str:
+    program = export_step(model, cache, example)
+    return torch._inductor.aoti_compile_and_package(program, package_path=package)
+
+
+def load(package: str) -> Callable[..., torch.Tensor]:
+    return torch._inductor.aoti_load_package(package)
