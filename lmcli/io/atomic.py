@@ -69,6 +69,13 @@ def write_atomically(target: str | Path, data: str | bytes, durable: bool = Fals
             os.fsync(file.fileno())
 
 
+def make_staging_directory(target: Path) -> Path:
+    """A hidden temporary directory beside `target`, to fill and then hand to `replace_directory`;
+    those that processes now gone left for the same target are removed first."""
+    _remove_stale_partials(target)
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+
+
 def replace_directory(staging: Path, target: Path) -> None:
     """Rename the finished directory `staging` to `target`, moving aside whatever is there (stale or damaged).
 

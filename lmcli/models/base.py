@@ -7,6 +7,7 @@ else — embeddings, the layer stack, the head, caching and generation — lives
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,14 @@ class BaseModel(WeightCounting, nn.Module):
         if getattr(self, "tensor_parallel", None) is not None:
             sys.stderr.write("warning: --compile is not supported with --tp; decoding without it\n")
             return False
+        if self.device.type == "cpu" and not os.environ.get("LMCLI_COMPILE_JIT"):
+            from lmcli.models import compiled_step
+
+            why = compiled_step.unsupported(self)
+            if why is None:  # a program built once per model, machine and batch size (io/compiled_cache.py)
+                self._compiled_decode = compiled_step.CachedDecode(self)
+                return True
+            sys.stderr.write(f"note: --compile: {why}; compiling with torch.compile in this process\n")
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self._compiled_decode = torch.compile(self._forward_slots, mode=mode)
         return True

@@ -11,11 +11,15 @@ no window, no softcap), whose per-row key plan is computed here on the host as t
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from lmcli.config import SLIDING
+from lmcli.errors import first_line
+from lmcli.io import compiled_cache
 from lmcli.models.row_attention import KEY_BLOCK
 
 if TYPE_CHECKING:
@@ -28,7 +32,7 @@ def unsupported(model: BaseModel) -> str | None:
     config = model.config
     if getattr(model, "tensor_parallel", None) is not None:
         return "tensor-parallel models stay eager"
-    if config.sliding_window is not None and any(t == "sliding_attention" for t in config.layer_types):
+    if config.sliding_window is not None and SLIDING in config.layer_types:
         return "sliding-window layers (a rolling cache) are not exported"
     if model.batch_invariant and (model.dtype != torch.bfloat16 or config.attn_logit_softcapping is not None):
         return "batch-invariant attention is exported only in bfloat16 without a softcap"
@@ -94,10 +98,50 @@ def export_step(model: BaseModel, cache: ModelCache, example: tuple[Any, ...]) -
         return torch.export.export(DecodeStep(model), example, dynamic_shapes=shapes, strict=False)
 
 
-def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: str) -> str:
+def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> None:
+    """Export the step on `example`'s shapes (the lengths left dynamic) and compile it to `package`."""
     program = export_step(model, cache, example)
-    return torch._inductor.aoti_compile_and_package(program, package_path=package)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(package))
 
 
-def load(package: str) -> Callable[..., torch.Tensor]:
-    return torch._inductor.aoti_load_package(package)
+def label(model: BaseModel) -> str:
+    """A readable name for the model's entries: architecture, width and depth."""
+    config = model.config
+    return f"{getattr(config, 'model_type', 'model')}-{config.hidden_size}x{config.num_hidden_layers}"
+
+
+class CachedDecode:
+    """What `BaseModel.compile_decode` installs on CPU: a one-token step runs the program built for its
+    batch size, read from the cache of compiled programs (io/compiled_cache.py) or built at its first step.
+    Raises compiled_cache.Unavailable (one line) where there is none; the model then decodes eagerly."""
+
+    def __init__(self, model: BaseModel):
+        self.model = model
+        self.runners: dict[int, Callable[..., torch.Tensor]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                 slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int, last_only: bool) -> torch.Tensor:
+        from lmcli.models.cache import KVCache
+
+        if not all(type(layer) is KVCache for layer in cache.layers):
+            raise compiled_cache.Unavailable("this cache has rolling layers, which the program does not take")
+        args = step_inputs(self.model, input_ids, positions, query_slots, slot_is_token, cache, slot_end)
+        batch = input_ids.shape[0]
+        runner = self.runners.get(batch)
+        if runner is None:
+            runner = self.runners[batch] = self._runner(batch, cache, args)
+        return runner(*args)
+
+    def _runner(self, batch: int, cache: ModelCache, example: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
+        model, name = self.model, label(self.model)
+        key = compiled_cache.cache_key(model, batch)
+        what = f"the decode step of {name} for batch {batch}"
+        for attempt in range(2):
+            package = compiled_cache.obtain(name, key, lambda path: build(model, cache, example, path), what)
+            try:
+                return torch._inductor.aoti_load_package(str(package))
+            except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
+                if attempt:
+                    raise compiled_cache.Unavailable(f"loading {package} failed: {first_line(exc)[:160]}") from None
+                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})")
+        raise AssertionError("unreachable")

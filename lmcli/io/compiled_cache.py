@@ -1,0 +1,180 @@
+"""Compiled programs kept on disk: built once per model, machine and batch size, loaded at later starts.
+
+Building the decode step (models/compiled_step.py: torch.export, then AOTInductor's C++ compiler)
+takes minutes; loading the result takes a fraction of a second. An entry is one directory,
+`<lmcli cache>/compiled/<label>-b<batch>-<key digest>/`, holding the package `step.pt2` and
+`entry.json`: the key it was built under (the model's fingerprint, lmcli's model sources, torch's
+version, the CPU capability, the thread count, the batch size, dtype and kernel choices), the
+package's size and its SHA-256. It is checked before use; a stale or damaged entry is deleted with
+one `note:` line and built again. A build fills a hidden staging directory beside the entry and
+renames it into place when complete (io/atomic.py), so a build killed midway leaves nothing that
+looks like an entry (the next build for it removes the leftovers), and two processes building at
+once each place a whole entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmcli.errors import first_line
+
+if TYPE_CHECKING:
+    from torch import nn
+
+FORMAT = 1  # bump when what an entry holds or means changes
+PACKAGE, META = "step.pt2", "entry.json"
+MAX_META = 1 << 20  # an entry.json claiming more is not one of ours
+PIECE = 1 << 16  # bytes of each tensor checksummed for the model's fingerprint
+
+
+class Unavailable(RuntimeError):
+    """No compiled program for this run (one line: why); the caller decodes eagerly."""
+
+
+class Damaged(ValueError):
+    """An entry that is not what this cache writes, or was built under another key."""
+
+
+def root() -> Path:
+    from lmcli.paths import cache_dir
+
+    return cache_dir() / "compiled"
+
+
+def code_version() -> str:
+    """lmcli's sources that decide what the compiled program computes: a program built from other code is stale."""
+    package = Path(__file__).resolve().parents[1]
+    sources = sorted([*(package / "models").glob("*.py"), *(package / "quant").glob("*.py"),
+                      package / "config.py", Path(__file__).resolve()])
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """The loaded model's identity, from what the program bakes in: each tensor's name, shape and dtype,
+    a CRC-32 of its first and last PIECE bytes, and the config (a few MB read, whatever the file was)."""
+    digest = hashlib.sha256(repr(getattr(model, "config", None)).encode())
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        data = tensor.detach().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.detach()
+        crc = zlib.crc32(data[:PIECE].numpy().tobytes())
+        crc = zlib.crc32(data[-PIECE:].numpy().tobytes(), crc)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}:{crc}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def cache_key(model: nn.Module, batch_size: int) -> dict[str, Any]:
+    """What an entry must have been built under to run `model`'s decode step at `batch_size` rows now."""
+    choices = getattr(model, "kernel_choices", {})
+    return {
+        "format": FORMAT, "model": model_fingerprint(model), "code": code_version(),
+        "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(), "batch": batch_size,
+        "dtype": str(getattr(model, "dtype", "")), "batch_invariant": bool(getattr(model, "batch_invariant", False)),
+        "kernels": {kind: choice.describe() for kind, choice in sorted(choices.items())},
+    }
+
+
+def entry_path(label: str, key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root() / f"{label}-b{key['batch']}-{digest}"
+
+
+def entries() -> list[tuple[Path, int]]:
+    """Every complete-looking entry and its size in bytes (for `lmcli info`)."""
+    if not root().is_dir():
+        return []
+    found = []
+    for entry in sorted(root().iterdir()):
+        if entry.is_dir() and not entry.name.startswith(".") and (entry / META).is_file():
+            found.append((entry, sum(f.stat().st_size for f in entry.iterdir() if f.is_file())))
+    return found
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def check(entry: Path, key: dict[str, Any]) -> Path:
+    """The entry's package if the entry is whole and was built under `key`; else Damaged (one line)."""
+    meta_path, package = entry / META, entry / PACKAGE
+    try:
+        if meta_path.stat().st_size > MAX_META:
+            raise Damaged(f"{META} is larger than any this cache writes")
+        meta = json.loads(meta_path.read_bytes())
+        size = package.stat().st_size
+    except (OSError, ValueError) as exc:
+        raise Damaged(f"unreadable ({first_line(exc)[:120]})") from None
+    if not isinstance(meta, dict) or meta.get("key") != key:
+        raise Damaged("built for another model, lmcli, torch, CPU, thread count or batch size")
+    if meta.get("size") != size or meta.get("sha256") != _sha256(package):
+        raise Damaged(f"{PACKAGE} is not the file that was built (size or checksum differs)")
+    return package
+
+
+def discard(entry: Path, why: str) -> None:
+    """Delete a stale or damaged entry, saying so in one line."""
+    sys.stderr.write(f"note: {entry}: {why}; building it again\n")
+    shutil.rmtree(entry, ignore_errors=True)
+
+
+def obtain(label: str, key: dict[str, Any], build: Callable[[Path], None], what: str) -> Path:
+    """The checked package for `key`: the cache's, else one `build(path)` writes now, placed in the cache.
+
+    Raises Unavailable (one line) where it can be neither read nor built and written."""
+    entry = entry_path(label, key)
+    if entry.exists():
+        try:
+            return check(entry, key)
+        except Damaged as exc:
+            discard(entry, str(exc))
+    from lmcli.io.atomic import make_staging_directory, replace_directory
+
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        staging = make_staging_directory(entry)
+    except OSError as exc:
+        raise Unavailable(f"cannot write the compiled-program cache {entry.parent} ({exc.strerror or exc})") from None
+    try:
+        sys.stderr.write(f"compiling {what} (once for this model, machine and batch size) ... ")
+        sys.stderr.flush()
+        start = time.perf_counter()
+        try:
+            build(staging / PACKAGE)
+        except Exception as exc:  # any compiler failure: no C++ compiler, an op it cannot lower, a full disk ...
+            sys.stderr.write("failed\n")
+            raise Unavailable(f"building it failed: {first_line(exc)[:160]}") from None
+        package = staging / PACKAGE
+        seconds = round(time.perf_counter() - start, 1)
+        meta = {"key": key, "size": package.stat().st_size, "sha256": _sha256(package), "built_s": seconds}
+        (staging / META).write_text(json.dumps(meta, indent=1))  # written last: an entry without it is incomplete
+        staging.chmod(0o755)
+        if entry.exists():  # another process placed its own meanwhile: keep the one that checks out
+            try:
+                found = check(entry, key)
+                shutil.rmtree(staging, ignore_errors=True)
+                sys.stderr.write(f"done in {meta['built_s']:.0f} s (another process's copy kept)\n")
+                return found
+            except Damaged:
+                pass
+        replace_directory(staging, entry)
+        sys.stderr.write(f"done in {meta['built_s']:.0f} s, {meta['size'] / 2**20:.0f} MiB, kept in {entry.parent}\n")
+        return entry / PACKAGE
+    except OSError as exc:
+        raise Unavailable(f"cannot write the compiled-program cache {entry.parent} ({exc.strerror or exc})") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

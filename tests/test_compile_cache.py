@@ -1,0 +1,217 @@
+"""The cache of compiled decode steps (io/compiled_cache.py, models/compiled_step.py).
+
+The program itself against eager decoding on a tiny int4 llama (one build, the only slow case here),
+and the cache's rules with a stand-in builder that writes a file: stale, damaged, a build killed
+midway, two builders at once, an unwritable cache and a failing build."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import left_pad, prompts, save_reference
+
+import lmcli
+from lmcli.io import compiled_cache
+from lmcli.models import compiled_step, kernel_plan
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+KEY = {"format": 1, "model": "m", "batch": 1}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(directory))
+    return directory
+
+
+def _writer(content: bytes = b"program"):
+    calls = []
+
+    def build(path: Path) -> None:
+        calls.append(path)
+        path.write_bytes(content)
+    return build, calls
+
+
+# --- the program against eager decoding --------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_int4(tmp_path, cache, monkeypatch):
+    """A tiny llama quantized to int4 at load: bfloat16 products, batch-invariant attention (as the default model)."""
+    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
+    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
+    kernel_plan._cached_plans.cache_clear()
+    save_reference("llama", tmp_path / "llama")
+    model, _ = lmcli.load(tmp_path / "llama", quantize="int4")
+    yield model
+    kernel_plan._cached_plans.cache_clear()
+
+
+def _eager_and_step_logits(model, ids, mask, n):
+    """Greedy tokens of eager decoding, and each one-token step's logits eager and compiled on the same inputs."""
+    runner, pairs = model._compiled_decode, []
+
+    def both(*args):
+        input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only = args
+        saved = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        got = runner(*args)
+        for layer, (k, v) in zip(cache.layers, saved):  # the eager step writes the same keys again
+            layer.keys.copy_(k)
+            layer.values.copy_(v)
+        want = model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
+        pairs.append((got[:, -1].float(), want[:, -1].float()))
+        return want
+
+    model._compiled_decode = both
+    tokens = model.generate(ids, n, False, attention_mask=mask)
+    model._compiled_decode = runner
+    return tokens, pairs
+
+
+def test_the_compiled_step_decodes_as_eager_and_a_later_process_loads_it(tiny_int4, cache, capfd):
+    model = tiny_int4
+    assert model.batch_invariant and model.dtype == torch.bfloat16
+    ids, mask = left_pad(prompts([3, 9]))  # a padded row: the host plan gathers each row's own keys
+    model._compiled_decode = None
+    eager = model.generate(ids, 10, False, attention_mask=mask)
+    assert model.compile_decode() and isinstance(model._compiled_decode, compiled_step.CachedDecode)
+    capfd.readouterr()
+    assert torch.equal(model.generate(ids, 10, False, attention_mask=mask), eager)
+    err = capfd.readouterr().err
+    assert "compiling the decode step of llama-" in err and "for batch 2" in err and " done in " in err
+    assert len(compiled_cache.entries()) == 1
+    # Each step's logits, compiled against eager on the same cache: within a bfloat16 rounding of the
+    # largest logit (inductor fuses the norms and rotary differently), and the same greedy token.
+    tokens, pairs = _eager_and_step_logits(model, ids, mask, 14)  # a longer run: other history lengths
+    assert torch.equal(tokens[:, :eager.shape[1]], eager)
+    for got, want in pairs:
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * float(want.abs().max()))
+    # A new model object, as in a later process: the entry is loaded, nothing is built.
+    model._compiled_decode = None
+    assert model.compile_decode()
+    assert torch.equal(model.generate(ids, 10, False, attention_mask=mask), eager)
+    assert "compiling" not in capfd.readouterr().err
+    # One row alone gets the tokens it gets in the batch (a program for batch 1 is built for it).
+    alone = model.generate(ids[1:], 10, False, attention_mask=mask[1:])
+    assert torch.equal(alone, eager[1:])
+
+
+# --- the cache's rules, with a stand-in builder ------------------------------------------------------
+
+
+def test_a_built_entry_is_used_and_a_stale_one_is_not(cache, capfd):
+    build, calls = _writer()
+    first = compiled_cache.obtain("tiny", KEY, build, "a step")
+    assert first.read_bytes() == b"program" and len(calls) == 1
+    assert "compiling a step" in capfd.readouterr().err
+    assert compiled_cache.obtain("tiny", KEY, build, "a step") == first and len(calls) == 1
+    other = dict(KEY, torch="another")  # another key: another entry, built anew
+    assert compiled_cache.obtain("tiny", other, build, "a step") != first and len(calls) == 2
+    # An entry whose recorded key differs from its name's (copied, or written by other code) is refused.
+    meta = json.loads((first.parent / compiled_cache.META).read_text())
+    (first.parent / compiled_cache.META).write_text(json.dumps(dict(meta, key=dict(KEY, threads=99))))
+    capfd.readouterr()
+    assert compiled_cache.obtain("tiny", KEY, build, "a step") == first and len(calls) == 3
+    assert "built for another model" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "no entry.json", "garbage entry.json"])
+def test_a_damaged_entry_is_deleted_with_a_note_and_built_again(damage, cache, capfd):
+    build, calls = _writer(b"x" * 5000)
+    package = compiled_cache.obtain("tiny", KEY, build, "a step")
+    if damage == "flip a byte":
+        data = bytearray(package.read_bytes())
+        data[2500] ^= 1
+        package.write_bytes(bytes(data))
+    elif damage == "truncate":
+        package.write_bytes(package.read_bytes()[:100])
+    elif damage == "no entry.json":
+        (package.parent / compiled_cache.META).unlink()
+    else:
+        (package.parent / compiled_cache.META).write_bytes(b"\x00{not json")
+    capfd.readouterr()
+    assert compiled_cache.obtain("tiny", KEY, build, "a step") == package and len(calls) == 2
+    assert package.read_bytes() == b"x" * 5000
+    notes = [line for line in capfd.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "building it again" in notes[0]
+
+
+_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from lmcli.io import compiled_cache
+    def build(path):
+        path.write_bytes(b"half a progr")
+        if sys.argv[1] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(0.5)  # both builders are now between building and placing
+        path.write_bytes(b"program " + sys.argv[1].encode())
+    print(compiled_cache.obtain("tiny", {"format": 1, "model": "m", "batch": 1}, build, "a step").read_bytes())
+""")
+
+
+def _child(mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_build_killed_midway_leaves_nothing_that_looks_complete(cache):
+    child = _child("kill")
+    child.communicate(timeout=120)
+    assert child.returncode == -signal.SIGKILL
+    assert compiled_cache.entries() == []  # only a hidden staging directory is left
+    assert [p.name for p in (cache / "compiled").iterdir() if not p.name.startswith(".")] == []
+    build, calls = _writer()
+    package = compiled_cache.obtain("tiny", KEY, build, "a step")
+    assert package.read_bytes() == b"program" and len(calls) == 1
+    assert sorted(p.name for p in (cache / "compiled").iterdir()) == [package.parent.name]  # leftovers removed
+
+
+def test_two_processes_building_at_once_leave_one_good_entry(cache):
+    children = [_child("one"), _child("two")]
+    outputs = [child.communicate(timeout=120)[0] for child in children]
+    assert [child.returncode for child in children] == [0, 0]
+    assert all(out.strip() in (b"b'program one'", b"b'program two'") for out in outputs)
+    (entry, _), = compiled_cache.entries()
+    build, calls = _writer()
+    assert compiled_cache.obtain("tiny", KEY, build, "a step").read_bytes() in (b"program one", b"program two")
+    assert calls == []  # the entry they left checks out
+
+
+def test_an_unwritable_cache_or_a_failing_build_decodes_eagerly_with_one_warning(tmp_path, cache, monkeypatch, capfd):
+    save_reference("llama", tmp_path / "llama")
+    model, _ = lmcli.load(tmp_path / "llama")
+    (ids,) = prompts([7])
+    want = model.generate(ids[None], 8, False)
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(blocker / "cache"))  # a cache that cannot be made (even by root)
+    assert model.compile_decode()
+    capfd.readouterr()
+    assert torch.equal(model.generate(ids[None], 8, False), want)
+    assert capfd.readouterr().err.strip().splitlines() == [
+        f"warning: --compile failed (cannot write the compiled-program cache {blocker / 'cache' / 'compiled'} "
+        "(Not a directory)); decoding without it"]
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(cache))
+
+    def failing(*args):
+        raise RuntimeError("C++ compile error: no working compiler\nmore")
+
+    monkeypatch.setattr(compiled_step, "build", failing)
+    assert model.compile_decode()
+    capfd.readouterr()
+    assert torch.equal(model.generate(ids[None], 8, False), want)
+    progress, warning = capfd.readouterr().err.strip().splitlines()
+    assert progress.startswith("compiling the decode step of llama-") and progress.endswith(" ... failed")
+    assert warning == "warning: --compile failed (building it failed: C++ compile error: no working compiler); decoding without it"
+    assert compiled_cache.entries() == []
