@@ -18,6 +18,7 @@ from typing import Any
 # name -> module (imported only when the section runs, so `lmcli --help` stays quick)
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
+    "compiled": "lmcli.bench_compiled",  # the cached compiled decode step: build, load, decode against eager
     "invariance": "lmcli.bench_invariance",  # the batch-invariant default against --fast-kernels
     "job": "lmcli.bench_job",
     "startup": "lmcli.bench_startup",  # whole-process start-up and first token, with and without the packed cache

@@ -146,8 +146,9 @@ QuantizeOption = Annotated[Quantize | None, _option(
                        "Default: a GGUF file's own quantization, other checkpoints as stored.",
     "--quantize", "-q", panel=MODEL_PANEL)]
 CompileOption = Annotated[bool, _switch(
-    "--compile", "Compile the decode step with torch.compile (CUDA: with CUDA graphs). Compiling takes a minute "
-                 "or more; it pays off over long generations. Falls back to eager, with a warning, if it fails.",
+    "--compile", "Run the decode step as a compiled program (CPU: built once per model, machine and batch size, "
+                 "minutes, then kept in the lmcli cache; CUDA: torch.compile with CUDA graphs). Falls back to "
+                 "eager, with a warning, if it fails.",
     MODEL_PANEL)]
 ThreadsOption = Annotated[int | None, _option(
     "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "

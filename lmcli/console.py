@@ -300,6 +300,10 @@ def describe_cache(checkpoint: Path) -> str:
 
         entries += [f"its loaded weights, packed, {human_bytes(entry.stat().st_size)} ({entry.relative_to(root)})"
                     for entry in entries_for(checkpoint)]
+    from lmcli.io.compiled_cache import entries as compiled_entries
+
+    entries += [f"a compiled decode step, {human_bytes(size)} ({entry.relative_to(root)})"
+                for entry, size in compiled_entries()]
     if (root / "kernels.json").is_file():
         entries.append("measured kernel choices (kernels.json)")
     return f"{root}: " + ("; ".join(entries) if entries else "nothing for this checkpoint")

@@ -45,6 +45,7 @@ def test_a_compiler_failure_falls_back_to_eager_with_one_line(tmp_path, monkeypa
         return compiled
 
     monkeypatch.setattr(torch, "compile", failing_compile)
+    monkeypatch.setenv("LMCLI_COMPILE_JIT", "1")  # torch.compile in this process, not the cached program
     assert model.compile_decode()
     (ids,) = prompts([7])
     capfd.readouterr()  # what saving the reference printed

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
 import time
@@ -159,19 +158,20 @@ def obtain(label: str, key: dict[str, Any], build: Callable[[Path], None], what:
             raise Unavailable(f"building it failed: {first_line(exc)[:160]}") from None
         package = staging / PACKAGE
         seconds = round(time.perf_counter() - start, 1)
-        meta = {"key": key, "size": package.stat().st_size, "sha256": _sha256(package), "built_s": seconds}
+        size = package.stat().st_size
+        meta = {"key": key, "size": size, "sha256": _sha256(package), "built_s": seconds}
         (staging / META).write_text(json.dumps(meta, indent=1))  # written last: an entry without it is incomplete
         staging.chmod(0o755)
         if entry.exists():  # another process placed its own meanwhile: keep the one that checks out
             try:
                 found = check(entry, key)
                 shutil.rmtree(staging, ignore_errors=True)
-                sys.stderr.write(f"done in {meta['built_s']:.0f} s (another process's copy kept)\n")
+                sys.stderr.write(f"done in {seconds:.0f} s (another process's copy kept)\n")
                 return found
             except Damaged:
                 pass
         replace_directory(staging, entry)
-        sys.stderr.write(f"done in {meta['built_s']:.0f} s, {meta['size'] / 2**20:.0f} MiB, kept in {entry.parent}\n")
+        sys.stderr.write(f"done in {seconds:.0f} s, {size / 2**20:.0f} MiB, kept in {entry.parent}\n")
         return entry / PACKAGE
     except OSError as exc:
         raise Unavailable(f"cannot write the compiled-program cache {entry.parent} ({exc.strerror or exc})") from None

@@ -110,14 +110,15 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """A one-token step of the one-call-per-row path (`row_plans` with `one_call_per_row`) for all rows
-    in one call: q (B, nh, 1, hd), k and v (B, nkv, S, hd), `index` [B, P] each row's keys in slot order
-    (P a multiple of KEY_BLOCK), `mask` [B, 1, 1, P] 0 for them, -inf for the padding after
-    -> (B, 1, nh * hd). Masked keys add exactly nothing, so each row gets what its own call gives it."""
+    """A one-token step of the one-call-per-row path (`row_plans` with `one_call_per_row`) with the plan as
+    tensors: q (B, nh, 1, hd), k and v (B, nkv, S, hd), `index` [B, P] each row's keys in slot order (P a
+    multiple of KEY_BLOCK), `mask` [B, 1, 1, P] 0 for them, -inf for the padding after -> (B, 1, nh * hd).
+    One call per row, as `attend_by_row` makes; masked keys add exactly nothing."""
     B, nh, _, hd = q.shape
     nkv = k.shape[1]
-    take = index[:, None, :, None].expand(B, nkv, index.shape[1], hd)
-    keys, values = torch.gather(k, 2, take), torch.gather(v, 2, take)  # (B, nkv, P, hd)
     query = q.reshape(B, nkv, nh // nkv, hd)  # the query heads sharing a kv head as its rows
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)  # (B, nkv, rep, hd)
-    return out.reshape(B, 1, nh * hd)
+    rows = []
+    for b in range(B):
+        keys, values = k[b:b + 1].index_select(2, index[b]), v[b:b + 1].index_select(2, index[b])  # (1, nkv, P, hd)
+        rows.append(F.scaled_dot_product_attention(query[b:b + 1], keys, values, attn_mask=mask[b:b + 1], scale=scale))
+    return torch.cat(rows).reshape(B, 1, nh * hd)
