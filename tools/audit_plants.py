@@ -283,3 +283,33 @@ PLANTS = [
     Plant("H3", "threads", TH, "elif not follows_load and (busy or machine.local_ranks > 1):", "elif not follows_load and busy:",
           "torchrun ranks sharing a quiet machine spin against each other"),
 ]
+
+# --- continuous batching, the prefix cache and the streamed job input (issue 22's second audit)
+CB, PC = "lmcli/generation/continuous.py", "lmcli/generation/prefix_cache.py"
+AREAS["continuous"] = ("tests/test_continuous.py", "tests/test_continuous_input.py", "tests/test_continuous_jobs.py")
+PLANTS += [
+    Plant("Q1", "continuous", CB, "[[column - live.start if live is not None else 0]",
+          "[[column - live.start + 1 if live is not None else 0]",
+          "a row in a continuous batch decodes at positions one past its own: other text than its single run"),
+    Plant("Q2", "continuous", CB, "batch.slot_is_token[place, start:batch.column] = True",
+          "batch.slot_is_token[place, start + 1:batch.column] = True",
+          "a row placed in the batch no longer attends to its prompt's first token: other text"),
+    Plant("Q3", "continuous", PC, "        while end < len(ids):\n", "        while end <= len(ids):\n",
+          "a prompt of whole blocks met a second time (the same prompt, another seed) leaves nothing to "
+          "compute: the job crashes"),
+    Plant("Q4", "continuous", PC, "self._blocks.popitem(last=False)", "self._blocks.popitem(last=True)",
+          "the prefix cache drops its most recently used block: the shared system prompt is recomputed"),
+    Plant("Q5", "continuous", PC, "while self.bytes + size > self.max_bytes:", "while self.bytes > self.max_bytes:",
+          "the prefix cache grows one block past its memory bound"),
+    Plant("Q6", "continuous", CB, "[row.seed] if policy.do_sample else None, 1, device)", "None, 1, device)",
+          "a sampled row in a continuous job ignores its seed: other text than its single run, not reproducible"),
+    Plant("Q7", "continuous", CB, "return  # finished at its first token", "pass  # finished at its first token",
+          "a row done at its first token (-n 1, or EOS first) joins the batch anyway: written twice, or the job crashes"),
+    Plant("Q8", "continuous", CB, "self.stats.busy += sum(busy)", "self.stats.busy += len(busy)",
+          "--stats says the batch was 100% full whatever its occupancy"),
+    Plant("Q9", "continuous", JI, "return JobRows(self.path, self.settings, self._keep, part)",
+          "return JobRows(self.path, self.settings, None, part)",
+          "a data-parallel rank's share of a resumed job forgets which rows are finished: they are written again"),
+    Plant("Q10", "continuous", JI, "itertools.pairwise(ordered) if a == b}", "itertools.pairwise(digests) if a == b}",
+          "two rows with one id on lines that are not next to each other are accepted (two output rows with one id)"),
+]
