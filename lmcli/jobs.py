@@ -30,6 +30,9 @@ Job semantics (this is what the README documents):
   but the seed and max_new_tokens, and --ignore-eos), then sorted by
   max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
+- Speculation: a row's `prompt_lookup`, `draft_model` (the command's --draft-model) and `num_draft_tokens`
+  choose over the flags' (lmcli.speculation.JobSpeculation); a speculating row runs by itself and its
+  output row carries its counts.
 - The input is read as it is consumed (job_input.JobRows), never held in memory.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
@@ -404,7 +407,12 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
     """Every row: continuously (generation/continuous.py) where use_continuous says so, returning its
     stats, else in planned batches (None)."""
     from lmcli.generation.continuous import ContinuousRun, use_continuous
+    from lmcli.speculation import JobSpeculation
 
+    speculation = JobSpeculation(model, tokenizer)  # a speculating row runs by itself, as it is reached
+    model = speculation.model  # the others run as without speculation (continuously where they can)
+    rows = speculation.apart(rows, done, lambda row, e: failed(row, _one_line(e)),
+                             (ValueError, RuntimeError, LmcliError))
     if not use_continuous(model):
         for batch in plan_batches(list(rows), batch_size):
             _generate_isolating_failures(model, tokenizer, batch, done, failed)
