@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from cli_fixtures import build_tiny_checkpoint, tiny_checkpoint  # noqa: F401  (fixtures)
+from real_models import smollm2_gguf  # noqa: F401  (fixtures)
 from test_cli import cli
 
 import lmcli
@@ -28,7 +29,7 @@ def tiny_draft(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny_checkpoint):  # noqa: F811
+def loaded(tiny_checkpoint):
     return lmcli.load(str(tiny_checkpoint))
 
 
@@ -66,7 +67,7 @@ def prompts() -> list[str]:
 
 @pytest.mark.parametrize("scheduler", ["batches", "continuous"])
 def test_rows_that_choose_prompt_lookup_give_plain_greedy_tokens_and_their_own_counts(
-        tiny_checkpoint, loaded, tmp_path, monkeypatch, scheduler):  # noqa: F811
+        tiny_checkpoint, loaded, tmp_path, monkeypatch, scheduler):
     monkeypatch.setenv("LMCLI_JOB_SCHEDULER", scheduler)
     p = prompts()
     rows = [{"id": 0, "prompt": p[0], "prompt_lookup": True},
@@ -91,7 +92,7 @@ def test_rows_that_choose_prompt_lookup_give_plain_greedy_tokens_and_their_own_c
     assert re.search(rf"prompt lookup: {drafted} drafted, {accepted} accepted", result.stderr), result.stderr
 
 
-def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_checkpoint, loaded, tmp_path):  # noqa: F811
+def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_checkpoint, loaded, tmp_path):
     p = prompts()
     rows = [{"id": "off", "prompt": p[0], "prompt_lookup": False},
             {"id": "k3", "prompt": p[1], "num_draft_tokens": 3},
@@ -107,7 +108,7 @@ def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_check
             assert got["speculation"] == counts(reference(loaded, row["prompt"], prompt_lookup=k)[1], "prompt lookup")
 
 
-def test_rows_switch_the_commands_draft_model_on_or_off(tiny_checkpoint, tiny_draft, loaded, tmp_path):  # noqa: F811
+def test_rows_switch_the_commands_draft_model_on_or_off(tiny_checkpoint, tiny_draft, loaded, tmp_path):
     draft, _ = lmcli.load(str(tiny_draft))
     p = prompts()
     rows = [{"id": "draft", "prompt": p[0]},
@@ -137,7 +138,7 @@ BAD_ROWS = [
 ]
 
 
-def test_bad_speculation_fields_make_error_rows_and_the_rest_run(tiny_checkpoint, tmp_path):  # noqa: F811
+def test_bad_speculation_fields_make_error_rows_and_the_rest_run(tiny_checkpoint, tmp_path):
     rows = [{"id": i, "prompt": TEXT, **fields} for i, (fields, _) in enumerate(BAD_ROWS)]
     rows.append({"id": "good", "prompt": TEXT, "prompt_lookup": True})
     result, written = run_job(tmp_path, tiny_checkpoint, rows)
@@ -152,7 +153,7 @@ def openai_row(custom_id: str, prompt: str, **body) -> dict:
             "body": {"prompt": prompt, "max_tokens": N, "temperature": 0, **body}}
 
 
-def test_openai_bodies_take_the_extension_fields_and_report_counts_in_usage(tiny_checkpoint, loaded, tmp_path):  # noqa: F811
+def test_openai_bodies_take_the_extension_fields_and_report_counts_in_usage(tiny_checkpoint, loaded, tmp_path):
     p = prompts()
     rows = [openai_row("plain", p[0]), openai_row("lookup", p[0], prompt_lookup=True, num_draft_tokens=3),
             openai_row("bad-switch", p[1], prompt_lookup=1), openai_row("bad-k", p[1], prompt_lookup=True,
@@ -170,3 +171,20 @@ def test_openai_bodies_take_the_extension_fields_and_report_counts_in_usage(tiny
     assert "speculation" not in plain["usage"]
     assert written["bad-switch"]["error"]["message"].endswith('body field "prompt_lookup" must be true or false, got 1')
     assert 'body field "num_draft_tokens" must be an integer from 1 to 64, got 65' in written["bad-k"]["error"]["message"]
+
+
+@pytest.mark.full  # loads the default model
+def test_on_the_default_model_a_job_mixing_lookup_rows_gives_plain_greedy_tokens(smollm2_gguf, tmp_path):
+    passage = "The river rises in the northern hills and meets the sea at a wide delta."
+    prompts = [f"Repeat this text exactly: {passage}\n{passage[:15]}", "Write a short story about a cat.",
+               f"Copy: {passage}\n{passage[:9]}"]
+    rows = [{"id": i, "prompt": text, "prompt_lookup": i != 1} for i, text in enumerate(prompts)]
+    result, written = run_job(tmp_path, smollm2_gguf, rows)  # batch-invariant: the plain row runs continuously
+    assert result.exit_code == 0, result.stderr
+    real = lmcli.load(str(smollm2_gguf))
+    for row in rows:
+        got = written[row["id"]]
+        assert [step["id"] for step in got["logprobs"]] == reference(real, row["prompt"])[0], row
+        if row["prompt_lookup"]:
+            assert got["speculation"] == counts(reference(real, row["prompt"], prompt_lookup=8)[1], "prompt lookup")
+    assert written[0]["speculation"]["accepted"] > 0
