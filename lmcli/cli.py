@@ -396,9 +396,11 @@ def generate(
     with _process_group(tp, input_path, device):
         if input_path is not None:
             with _exit_when_stopped():
-                runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
-                             resolved.identity, tp)
-            runs.speculation_summary(stats)
+                try:
+                    runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
+                                 resolved.identity, tp)
+                finally:  # before a failed row's error line
+                    runs.speculation_summary(stats)
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():

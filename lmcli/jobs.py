@@ -30,9 +30,8 @@ Job semantics (this is what the README documents):
   but the seed and max_new_tokens, and --ignore-eos), then sorted by
   max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
-- Speculation: a row's `prompt_lookup`, `draft_model` (the command's --draft-model) and `num_draft_tokens`
-  choose over the flags' (lmcli.speculation.JobSpeculation); a speculating row runs by itself and its
-  output row carries its counts.
+- Speculation: a row's `prompt_lookup`, `draft_model`, `num_draft_tokens` choose over the flags'; such a
+  row runs by itself and records its counts (lmcli.speculation.JobSpeculation).
 - The input is read as it is consumed (job_input.JobRows), never held in memory.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
@@ -367,6 +366,9 @@ def settings_record(settings: GenerationSettings) -> dict:
     values.pop("seed")
     values["stop"] = list(settings.stop)
     values["constraint"] = settings.constraint.describe() if settings.constraint is not None else None
+    for name in ("prompt_lookup", "draft_model"):  # off: not recorded (rows read as before speculation)
+        if not values[name]:
+            del values[name]
     return {name: value for name, value in values.items() if value is not None}
 
 

@@ -200,12 +200,13 @@ class GenerationSettings(DecodingFields):
         """A row's speculation fields over these settings' (the row's own choice wins, see the module doc):
         a row that switches one method on switches the other off; "draft_model" needs the command's draft."""
         changes: dict[str, Any] = {}
-        if row.get("prompt_lookup"):
+        if row.get("prompt_lookup") and self.draft_model:
             changes["draft_model"] = False
         if row.get("draft_model"):
             if not self.draft_model:
                 raise SamplingError("draft_model", "needs --draft-model (the command loads the draft)")
-            changes["prompt_lookup"] = False
+            if self.prompt_lookup:
+                changes["prompt_lookup"] = False
         merged = {name: row.get(name, changes.get(name, getattr(self, name))) for name in ("prompt_lookup", "draft_model")}
         if row.get("num_draft_tokens") is not None and not any(merged.values()):
             raise SamplingError("num_draft_tokens", 'needs "prompt_lookup": true (or --prompt-lookup, --draft-model)')

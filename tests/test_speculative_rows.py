@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_rows_that_choose_prompt_lookup_give_plain_greedy_tokens_and_their_own_c
         tiny_checkpoint, loaded, tmp_path, monkeypatch, scheduler):
     monkeypatch.setenv("LMCLI_JOB_SCHEDULER", scheduler)
     p = prompts()
-    rows = [{"id": 0, "prompt": p[0], "prompt_lookup": True},
+    rows: list[dict[str, Any]] = [{"id": 0, "prompt": p[0], "prompt_lookup": True},
             {"id": 1, "prompt": p[1], "prompt_lookup": True, "num_draft_tokens": 2},
             {"id": 2, "prompt": p[2]},
             {"id": 3, "prompt": p[3], "prompt_lookup": False}]
@@ -94,7 +95,7 @@ def test_rows_that_choose_prompt_lookup_give_plain_greedy_tokens_and_their_own_c
 
 def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_checkpoint, loaded, tmp_path):
     p = prompts()
-    rows = [{"id": "off", "prompt": p[0], "prompt_lookup": False},
+    rows: list[dict[str, Any]] = [{"id": "off", "prompt": p[0], "prompt_lookup": False},
             {"id": "k3", "prompt": p[1], "num_draft_tokens": 3},
             {"id": "flag", "prompt": p[2]}]
     result, written = run_job(tmp_path, tiny_checkpoint, rows, "--prompt-lookup", "--num-draft-tokens", 5)
@@ -103,7 +104,7 @@ def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_check
         got = written[row["id"]]
         assert [step["id"] for step in got["logprobs"]] == reference(loaded, row["prompt"])[0]
         if k is None:
-            assert "speculation" not in got and got["settings"]["prompt_lookup"] is False
+            assert "speculation" not in got and "prompt_lookup" not in got["settings"]
         else:
             assert got["speculation"] == counts(reference(loaded, row["prompt"], prompt_lookup=k)[1], "prompt lookup")
 
@@ -111,7 +112,7 @@ def test_a_row_turns_off_the_flags_speculation_and_sets_its_own_bound(tiny_check
 def test_rows_switch_the_commands_draft_model_on_or_off(tiny_checkpoint, tiny_draft, loaded, tmp_path):
     draft, _ = lmcli.load(str(tiny_draft))
     p = prompts()
-    rows = [{"id": "draft", "prompt": p[0]},
+    rows: list[dict[str, Any]] = [{"id": "draft", "prompt": p[0]},
             {"id": "plain", "prompt": p[1], "draft_model": False},
             {"id": "lookup", "prompt": p[2], "prompt_lookup": True, "num_draft_tokens": 4}]
     result, written = run_job(tmp_path, tiny_checkpoint, rows, "--draft-model", tiny_draft, "--num-draft-tokens", 3)
@@ -127,7 +128,7 @@ def test_rows_switch_the_commands_draft_model_on_or_off(tiny_checkpoint, tiny_dr
     assert f"prompt lookup: {by_lookup.drafted} drafted" in result.stderr
 
 
-BAD_ROWS = [
+BAD_ROWS: list[tuple[dict[str, Any], str]] = [
     ({"prompt_lookup": "yes"}, '"prompt_lookup" must be true or false, got "yes"'),
     ({"prompt_lookup": True, "num_draft_tokens": 0}, '"num_draft_tokens" must be an integer from 1 to 64, got 0'),
     ({"prompt_lookup": True, "num_draft_tokens": 10**9}, '"num_draft_tokens" must be an integer from 1 to 64'),
@@ -178,7 +179,7 @@ def test_on_the_default_model_a_job_mixing_lookup_rows_gives_plain_greedy_tokens
     passage = "The river rises in the northern hills and meets the sea at a wide delta."
     prompts = [f"Repeat this text exactly: {passage}\n{passage[:15]}", "Write a short story about a cat.",
                f"Copy: {passage}\n{passage[:9]}"]
-    rows = [{"id": i, "prompt": text, "prompt_lookup": i != 1} for i, text in enumerate(prompts)]
+    rows: list[dict[str, Any]] = [{"id": i, "prompt": text, "prompt_lookup": i != 1} for i, text in enumerate(prompts)]
     result, written = run_job(tmp_path, smollm2_gguf, rows)  # batch-invariant: the plain row runs continuously
     assert result.exit_code == 0, result.stderr
     real = lmcli.load(str(smollm2_gguf))
