@@ -189,3 +189,41 @@ def test_on_the_default_model_a_job_mixing_lookup_rows_gives_plain_greedy_tokens
         if row["prompt_lookup"]:
             assert got["speculation"] == counts(reference(real, row["prompt"], prompt_lookup=8)[1], "prompt lookup")
     assert written[0]["speculation"]["accepted"] > 0
+
+
+def test_a_sampled_row_draws_as_the_api_does_with_its_seed(tiny_checkpoint, loaded, tmp_path):
+    model, tokenizer = loaded
+    rows = [{"id": "s", "prompt": prompts()[0], "temperature": 0.9, "seed": 11, "prompt_lookup": True,
+             "num_draft_tokens": 3}]
+    job = tmp_path / "sampled.jsonl"
+    job.write_text(json.dumps(rows[0]) + "\n")
+    out = tmp_path / "sampled-out.jsonl"
+    result = cli("generate", "-c", tiny_checkpoint, "-n", N, "--ignore-eos", "--logprobs", 0, "--input", job, "-o", out)
+    assert result.exit_code == 0, result.stderr
+    [got] = map(json.loads, out.read_text().splitlines())
+    ids = torch.tensor([list(tokenizer.encode(rows[0]["prompt"]))])
+    stats = SpeculationStats()
+    direct = model.generate(ids, max_new_tokens=N, do_sample=True, temperature=0.9, seed=[11], prompt_lookup=3,
+                            stats=stats)
+    assert [step["id"] for step in got["logprobs"]] == direct[0, ids.shape[1]:].tolist()
+    assert got["speculation"] == counts(stats, "prompt lookup")
+
+
+def test_greedy_rows_resume_under_other_speculation_flags_sampled_rows_do_not(tiny_checkpoint, tmp_path):
+    from lmcli.settings import GenerationSettings, input_hash
+
+    greedy, sampled = GenerationSettings.from_flags(greedy=True), GenerationSettings.from_flags(temperature=0.7)
+    for base, same in ((greedy, True), (sampled, False)):
+        plain, speculating = base.for_row({}), base.for_row({"prompt_lookup": True})
+        assert (input_hash("p", plain) == input_hash("p", speculating)) is same
+    rows = [{"id": i, "prompt": text} for i, text in enumerate(prompts()[:2])]
+    job = tmp_path / "job.jsonl"
+    job.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out.jsonl"
+    flags = ["generate", "-c", tiny_checkpoint, "--greedy", "-n", 6, "--input", job, "-o", out]
+    assert cli(*flags, "--prompt-lookup").exit_code == 0
+    first = out.read_text().splitlines()[0]
+    out.write_text(first + "\n")  # as if killed after one row
+    resumed = cli(*flags, "--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [0, 1]
