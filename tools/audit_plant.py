@@ -94,7 +94,7 @@ def run_plant(plant: Plant, mode: str, timeout: int) -> dict:
                 after, after_detail = _run_tests(plant, _tests_for(plant, False), timeout)
                 before = after
             record.update(outcome=before, detail="", after=after, after_detail=after_detail, audit_tests=audit)
-            return record
+            return {**record, "seconds": round(time.monotonic() - started, 1)}
         outcome, detail = _run_tests(plant, tests, timeout)
         record.update(outcome=outcome, detail=detail, tests=tests)
         if mode == "both":

@@ -148,8 +148,8 @@ PLANTS = [
     Plant("D9", "settings", ST, 'if name != "max_new_tokens")', 'if name not in ("max_new_tokens", "temperature"))',
           "rows with different temperatures share one batch: all but one get another row's temperature",
           tests=SETTINGS_AND_JOBS),
-    Plant("D10", "settings", ST, "for f in dataclasses.fields(settings) if f.compare}",
-          'for f in dataclasses.fields(settings) if f.compare and f.name != "stop"}',
+    Plant("D10", "settings", ST, "if f.compare and f.name not in SPECULATION}",
+          'if f.compare and f.name not in (*SPECULATION, "stop")}',
           "--resume accepts an output made with other stop strings", tests=SETTINGS_AND_JOBS),
     Plant("D12", "settings", ST, "temperature = changes.get(\"temperature\", self.temperature)",
           "temperature = self.temperature", "a greedy model's top_k is kept: loading it fails"),
@@ -228,7 +228,7 @@ PLANTS = [
           tests=(*AREAS["jobs"], *AREAS["openai"])),
     Plant("J8", "jobs", JI, 'row_id = obj.get("id", number)', 'row_id = obj.get("id", number - 1)',
           "a row without id gets a 0-based id (the docs say its 1-based line number)"),
-    Plant("J9", "jobs", JI, 'lines[0] = lines[0].removeprefix(b"\\xef\\xbb\\xbf")', "lines[0] = lines[0]",
+    Plant("J9", "jobs", JI, 'yield number, raw.removeprefix(b"\\xef\\xbb\\xbf") if number == 1 else raw', "yield number, raw",
           "an input with a byte order mark: the first row is invalid JSON / prompt starts with U+FEFF"),
     Plant("J10", "jobs", RO, "return ids[-keep:], len(ids) - keep", "return ids[:keep], len(ids) - keep",
           "a prompt longer than the context keeps its start, not its end"),
@@ -243,7 +243,8 @@ PLANTS = [
           tests=(*AREAS["structured"], "tests/test_jobs.py")),
     Plant("X3", "structured", CO, "CONSTRAINED_MAX_NEW_TOKENS = 512", "CONSTRAINED_MAX_NEW_TOKENS = 128",
           "a constrained row without -n stops at 128 tokens: objects cut off"),
-    Plant("X4", "structured", CO, "        elif self._seen != -1:\n            self.reset()", "        elif self._seen == -1:\n            self.reset()",
+    Plant("X4", "structured", CO, "restart = ahead is not None or (self._seen != -1 and length != self._seen + 1)",
+          "restart = ahead is not None",
           "a mask reused for a second generate() continues the first's grammar state"),
     Plant("X6", "structured", CO, 'pieces.append(bytes([int(match.group(1), 16)]) if match else piece.replace("\\u2581", " ").encode())',
           "pieces.append(bytes([int(match.group(1), 16)]) if match else piece.encode())",
@@ -270,8 +271,8 @@ PLANTS = [
     Plant("E5", "encdec", RO, "prompt_length=1 if encoder_decoder else width,", "prompt_length=width,",
           "an encoder-decoder with min_new_tokens / penalties counts the decoder's tokens from the encoder input's width",
           tests=(*AREAS["encdec"],)),
-    Plant("E6", "encdec", RO, "RowText(tokenizer, r.settings.stop, () if encoder_decoder else r.prompt_ids)",
-          "RowText(tokenizer, r.settings.stop, r.prompt_ids)",
+    Plant("E6", "encdec", RO, "RowText(tokenizer, row.settings.stop, () if encoder_decoder else row.prompt_ids)",
+          "RowText(tokenizer, row.settings.stop, row.prompt_ids)",
           "an encoder-decoder's text is decoded after the encoder input's tokens (wrong first characters)"),
     Plant("E7", "encdec", BA, 'embed_scale=d_model**0.5 if hf.get("scale_embedding") else 1.0,', "embed_scale=d_model**0.5,",
           "BART without scale_embedding scales its embeddings: wrong text"),
@@ -284,8 +285,36 @@ PLANTS = [
           "torchrun ranks sharing a quiet machine spin against each other"),
 ]
 
+# --- start-up: the packed-weights cache (io/packed_cache.py, models/packed_model.py), io/atomic.py, the
+# packed entry's place in loading.py
+AREAS["startup"] = ("tests/test_startup_packed.py", "tests/test_atomic.py")
+PC, PM, AT, LO = "lmcli/io/packed_cache.py", "lmcli/models/packed_model.py", "lmcli/io/atomic.py", "lmcli/loading.py"
+STARTUP_AND_JOBS = (*AREAS["startup"], "tests/test_job_durability.py")
+PLANTS += [
+    Plant("U1", "startup", PC, '"dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),',
+          '"dtype": "auto",', "--dtype float32 after a start without it maps the bfloat16 entry: other logits"),
+    Plant("U2", "startup", PC, 'for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS")}', 'for name in ("LMCLI_KERNEL",)}',
+          "--fast-kernels after a start without it keeps the batch-invariant plan of the entry"),
+    Plant("U3", "startup", PC, "pieces.add((start + max(0, length - EDGE_BYTES), min(length, EDGE_BYTES)))",
+          "pieces.add((start, min(length, EDGE_BYTES)))",
+          "damage in a tensor's last page of an entry goes unchecked: wrong logits from a damaged cache"),
+    Plant("U4", "startup", AT, "            file.flush()\n            os.fsync(file.fileno())\n", "            file.flush()\n",
+          "a durable write (a resumed job's rewritten output) is renamed into place before it is on disk",
+          tests=STARTUP_AND_JOBS),
+    Plant("U5", "startup", PC, 'body["key"].get("source") == key["source"]:', 'body["key"].get("source") != key["source"]:',
+          "a changed GGUF's old entries stay in the cache (and another file's of the same stem go)"),
+    Plant("U6", "startup", AT, "if pid.isdigit() and not _pid_alive(int(pid)):", "if pid.isdigit() and _pid_alive(int(pid)):",
+          "a live writer's temporary is removed under it (and a dead one's kept forever)", tests=STARTUP_AND_JOBS),
+    Plant("U7", "startup", LO, 'if resolved.kind != "gguf" or quantize is not None or device.type != "cpu"',
+          'if resolved.kind != "gguf" or device.type != "cpu"',
+          "--quantize int8 on a GGUF maps the entry of a plain load: the file's own quantization, not int8"),
+    Plant("U8", "startup", PM, "if (plan.kernel, plan.large_rows) != (choice.kernel, choice.large_rows):",
+          "if plan.large_rows != choice.large_rows:",
+          "an entry made under another kernel plan is used (the old kernel), not rebuilt"),
+]
+
 # --- continuous batching, the prefix cache and the streamed job input (issue 22's second audit)
-CB, PC = "lmcli/generation/continuous.py", "lmcli/generation/prefix_cache.py"
+CB, PX = "lmcli/generation/continuous.py", "lmcli/generation/prefix_cache.py"
 AREAS["continuous"] = ("tests/test_continuous.py", "tests/test_continuous_input.py", "tests/test_continuous_jobs.py")
 PLANTS += [
     Plant("Q1", "continuous", CB, "[[column - live.start if live is not None else 0]",
@@ -294,12 +323,12 @@ PLANTS += [
     Plant("Q2", "continuous", CB, "batch.slot_is_token[place, start:batch.column] = True",
           "batch.slot_is_token[place, start + 1:batch.column] = True",
           "a row placed in the batch no longer attends to its prompt's first token: other text"),
-    Plant("Q3", "continuous", PC, "        while end < len(ids):\n", "        while end <= len(ids):\n",
+    Plant("Q3", "continuous", PX, "        while end < len(ids):\n", "        while end <= len(ids):\n",
           "a prompt of whole blocks met a second time (the same prompt, another seed) leaves nothing to "
           "compute: the job crashes"),
-    Plant("Q4", "continuous", PC, "self._blocks.popitem(last=False)", "self._blocks.popitem(last=True)",
+    Plant("Q4", "continuous", PX, "self._blocks.popitem(last=False)", "self._blocks.popitem(last=True)",
           "the prefix cache drops its most recently used block: the shared system prompt is recomputed"),
-    Plant("Q5", "continuous", PC, "while self.bytes + size > self.max_bytes:", "while self.bytes > self.max_bytes:",
+    Plant("Q5", "continuous", PX, "while self.bytes + size > self.max_bytes:", "while self.bytes > self.max_bytes:",
           "the prefix cache grows one block past its memory bound"),
     Plant("Q6", "continuous", CB, "[row.seed] if policy.do_sample else None, 1, device)", "None, 1, device)",
           "a sampled row in a continuous job ignores its seed: other text than its single run, not reproducible"),
