@@ -358,7 +358,8 @@ PLANTS += [
           'if SETTINGS[name].kind == "int" and is_number(values[name])',
           'a generation_config.json writing "top_k": 40.0 fails to load ("must be an integer")'),
     Plant("D15", "settings", DC, "(vocab_size is not None and token >= vocab_size)", "(vocab_size is not None and token > vocab_size)",
-          "--logit-bias on the token id equal to the vocabulary size is accepted: an index error mid-run"),
+          "--logit-bias on the token id equal to the vocabulary size is accepted: an index error mid-run",
+          tests=(*AREAS["settings"], "tests/test_samplers.py")),  # the bias's range is a sampler's rule too
     Plant("N12", "names", MN, "    if len(ggufs) > 1:\n", "    if len(ggufs) > 2:\n",
           "a models-directory entry with two .gguf files silently takes the first instead of asking which"),
     Plant("N13", "names", FP, 'DECIDING_FILES = ("config.json", "generation_config.json", "tokenizer.json",',
