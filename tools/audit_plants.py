@@ -369,3 +369,10 @@ PLANTS += [
     Plant("N14", "names", MN, 'return Path(os.environ["HF_HOME"]).expanduser() / "hub"',
           'return Path(os.environ["HF_HOME"]).expanduser()', "with HF_HOME set, -m ORG/NAME finds no model in the hub cache"),
 ]
+# Two more in continuous batching: what happens to the rows of a batch when a row or a step fails.
+PLANTS += [
+    Plant("Q11", "continuous", CB, "                    self.batch = None\n", "                    pass\n",
+          "after a batched step fails, its rows are run alone and then go on in the old batch too: written twice"),
+    Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
+          "a row that fails to start in a continuous job (its constraint) crashes the job instead of being an error row"),
+]
