@@ -374,5 +374,5 @@ PLANTS += [
     Plant("Q11", "continuous", CB, "                    self.batch = None\n", "                    pass\n",
           "after a batched step fails, its rows are run alone and then go on in the old batch too: written twice"),
     Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
-          "a row that fails to start in a continuous job (its constraint) crashes the job instead of being an error row"),
+          "a row that fails to start goes to alone, not isolate (none: jobs.py, the one caller, makes alone isolate)"),
 ]
