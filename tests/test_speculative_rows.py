@@ -231,7 +231,7 @@ def test_greedy_rows_resume_under_other_speculation_flags_sampled_rows_do_not(ti
 
 def test_a_constrained_row_says_speculation_was_off_for_it(tiny_checkpoint, loaded, tmp_path):
     rows: list[dict[str, Any]] = [{"id": "json", "prompt": TEXT, "prompt_lookup": True, "regex": "[ab]{3,5}"},
-            {"id": "free", "prompt": prompts()[0], "prompt_lookup": True}]
+                                  {"id": "free", "prompt": prompts()[0], "prompt_lookup": True}]
     result, written = run_job(tmp_path, tiny_checkpoint, rows)
     assert result.exit_code == 0, result.stderr
     assert re.fullmatch("[ab]{3,5}", written["json"]["completion"])
