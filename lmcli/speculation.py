@@ -107,7 +107,8 @@ class Speculator:
         if not stats.enabled:
             return f"{self.request.method}: switched off ({stats.note})"
         draft = f", {stats.draft_passes} draft passes" if self.draft is not None else ""
-        off = f"; switched off for {self.off_rows} rows ({stats.note})" if self.off_rows else ""
+        rows = f"{self.off_rows} row" + ("s" if self.off_rows != 1 else "")
+        off = f"; switched off for {rows} ({stats.note})" if self.off_rows else ""
         return (f"{self.request.method}: {stats.drafted} drafted, {stats.accepted} accepted "
                 f"({stats.acceptance:.0%}), {stats.passes} model passes{draft}{off}")
 

@@ -227,3 +227,17 @@ def test_greedy_rows_resume_under_other_speculation_flags_sampled_rows_do_not(ti
     resumed = cli(*flags, "--resume")
     assert resumed.exit_code == 0, resumed.stderr
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == [0, 1]
+
+
+def test_a_constrained_row_says_speculation_was_off_for_it(tiny_checkpoint, loaded, tmp_path):
+    rows: list[dict[str, Any]] = [{"id": "json", "prompt": TEXT, "prompt_lookup": True, "regex": "[ab]{3,5}"},
+                                  {"id": "free", "prompt": prompts()[0], "prompt_lookup": True}]
+    result, written = run_job(tmp_path, tiny_checkpoint, rows)
+    assert result.exit_code == 0, result.stderr
+    assert re.fullmatch("[ab]{3,5}", written["json"]["completion"])
+    note = "a structured-output constraint follows the text one token at a time"
+    assert written["json"]["speculation"] == {"method": "prompt lookup", "off": note}
+    free = reference(loaded, rows[1]["prompt"], prompt_lookup=DEFAULT_DRAFT_TOKENS)[1]
+    assert written["free"]["speculation"] == counts(free, "prompt lookup")
+    assert f"prompt lookup: {free.drafted} drafted, {free.accepted} accepted" in result.stderr
+    assert f"switched off for 1 row ({note})" in result.stderr
