@@ -92,10 +92,12 @@ def test_input_hash_is_the_documented_json_digest():
     import dataclasses
     import hashlib
 
-    from lmcli.settings import input_hash
+    from lmcli.settings import SPECULATION, input_hash
 
     settings = GenerationSettings(temperature=0.5, stop=("\n\n", "é"), seed=3)
-    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.compare}
+    # the settings that decide a sampled row's text: all compared fields, speculation's where set
+    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+              if f.compare and (f.name not in SPECULATION or getattr(settings, f.name))}
     for prompt in ["plain", 'quote " and \\ backslash\nnewline\ttab', "ünïcode ✓ \u2028 \x01",
                    [{"role": "user", "content": "hi"}, {"content": "x", "role": "system"}]]:
         payload = json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)

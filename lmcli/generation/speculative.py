@@ -32,22 +32,25 @@ import torch
 
 from lmcli import threads
 from lmcli.config import eos_id_list
+from lmcli.decoding import SETTINGS, SamplingError
 from lmcli.generation import loop
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row_generators
 from lmcli.generation.speculative_draft import DraftProposer, fits
 from lmcli.generation.speculative_sampling import accept_or_resample, draw
 
 DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
-MAX_DRAFT_TOKENS = 64  # a bound on --num-draft-tokens: a longer guess is rarely taken whole, and costs its pass
 LONGEST_NGRAM = 3
 SHORTEST_NGRAM = 2  # single tokens recur too often by chance to be worth a guess
 
 
 def check_num_draft_tokens(value: Any) -> int:
-    """The one rule for num_draft_tokens (API and CLI): an integer in [1, MAX_DRAFT_TOKENS]."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS:
-        raise ValueError(f"num_draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {value!r}")
-    return value
+    """num_draft_tokens by its rule (lmcli.decoding's table: an integer in [1, MAX_DRAFT_TOKENS]), for the
+    API and the flags; ValueError says the whole rule."""
+    setting = SETTINGS["num_draft_tokens"]
+    try:
+        return int(setting.require(value))
+    except SamplingError:
+        raise ValueError(f"num_draft_tokens {setting.requirement}, got {value!r}") from None
 
 
 @dataclass
