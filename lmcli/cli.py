@@ -26,7 +26,7 @@ import typer
 
 from lmcli.bench_sections import SECTIONS
 from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring modules load only for `bench`
-from lmcli.command_group import LmcliGroup
+from lmcli.command_group import LmcliGroup, defer_collection, resume_collection
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
@@ -292,6 +292,7 @@ def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True
             resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
+    resume_collection()
     if compile_decode:
         loaded.compile_decode()
     if text_tokenizer is None and need_tokenizer:
@@ -377,7 +378,9 @@ def generate(
 
     speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
                                        draft_quantize.value if draft_quantize is not None else None)
-    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
+    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate,
+                                    prompt_lookup=prompt_lookup, draft_model=draft_model is not None,
+                                    num_draft_tokens=num_draft_tokens)  # a job's rows may choose otherwise
     resolved = _resolve(checkpoint, model, tokenizer)
     # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(resolved.defaults)
@@ -395,9 +398,11 @@ def generate(
     with _process_group(tp, input_path, device):
         if input_path is not None:
             with _exit_when_stopped():
-                runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
-                             resolved.identity, tp)
-            runs.speculation_summary(stats)
+                try:
+                    runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
+                                 resolved.identity, tp)
+                finally:  # before a failed row's error line
+                    runs.speculation_summary(stats)
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():
@@ -671,4 +676,5 @@ def bench(
 
 def main() -> None:
     """The console-script entry point."""
+    defer_collection(sys.argv)  # until the model is loaded (_load)
     app()
