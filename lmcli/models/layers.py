@@ -185,7 +185,7 @@ class Attention(nn.Module):
             from lmcli.models.row_attention import attend_gathered
 
             out = attend_gathered(q, k, v, *inputs.row_gather, self.scale)  # (B, 1, nh*hd)
-            return self.o_proj(out.to(x.dtype))
+            return self.o_proj(_projection_input(self.o_proj, out, x.dtype))
         if inputs.by_row:
             by_row = self._attend_by_row(q, k, v, key_slots, inputs)  # (B, T, nh*hd)
             return self.o_proj(_projection_input(self.o_proj, by_row, x.dtype))
