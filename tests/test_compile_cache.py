@@ -228,9 +228,9 @@ def test_an_unwritable_cache_or_a_failing_build_decodes_eagerly_with_one_warning
 
 @pytest.mark.full
 def test_the_default_model_compiled_says_what_eager_says_alone_and_in_a_batch(smollm2_gguf, cache, capfd):
-    """Greedy text of the real-model prompts, eager against the compiled step, each prompt alone (batch 1)
-    and the five as one left-padded batch (batch 5): the same tokens, row by row; each step's logits
-    within 2^-7 of the largest one."""
+    """Greedy text of the real-model prompts, eager against the compiled step, each prompt alone (batch 1,
+    the program) and the five as one left-padded batch (batch 5, eager): the same tokens, row by row;
+    each compiled step's logits within 2^-6 of the largest one."""
     model, tokenizer = lmcli.load(smollm2_gguf)
     rows = [torch.tensor(tokenizer.encode(p)) for p in TEXT_PROMPTS]
     new = 24
@@ -242,9 +242,10 @@ def test_the_default_model_compiled_says_what_eager_says_alone_and_in_a_batch(sm
         assert torch.equal(model.generate(row[None], new, False)[0, -new:], want)
     assert torch.equal(model.generate(ids, new, False, attention_mask=mask)[:, -new:], batched)
     assert torch.equal(batched, torch.stack(alone))  # batch-invariant, compiled as eager
-    _, pairs = _eager_and_step_logits(model, ids, mask, 8)
-    for got, want in pairs:
-        assert torch.equal(got.argmax(-1), want.argmax(-1))
-        torch.testing.assert_close(got, want, rtol=0, atol=2**-7 * float(want.abs().max()))
+    for row in rows:
+        _, pairs = _eager_and_step_logits(model, row[None], None, 8)
+        for got, want in pairs:
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+            torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * float(want.abs().max()))
     assert "compiling" in capfd.readouterr().err
-    assert len(compiled_cache.entries()) == 2  # batch 1 and batch 5
+    assert len(compiled_cache.entries()) == 1  # batch 1
