@@ -11,6 +11,7 @@ no window, no softcap), whose per-row key plan is computed here on the host as t
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,6 +109,12 @@ def export_step(model: BaseModel, cache: ModelCache, example: tuple[Any, ...]) -
 
 def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> None:
     """Export the step on `example`'s shapes (the lengths left dynamic) and compile it to `package`."""
+    with warnings.catch_warnings():  # torch's own deprecation notices, which would break the progress line
+        warnings.simplefilter("ignore")
+        _build(model, cache, example, package)
+
+
+def _build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> None:
     program = export_step(model, cache, example)
     # Half-precision intermediates rounded where eager rounds them (inductor otherwise keeps a fused
     # chain in float32): the program's logits then follow eager's more closely.
