@@ -113,6 +113,24 @@ def test_the_compiled_step_decodes_as_eager_and_a_later_process_loads_it(tiny_in
     assert capfd.readouterr().err.count("decodes eagerly") == 1
 
 
+def test_the_exported_step_run_eagerly_is_eager_decoding_bit_for_bit(tiny_int4):
+    """What is exported (the host's key plan as two tensors, one attention call per row on them) against
+    the batch-invariant path it stands for, on a left-padded batch: the same logits, bit for bit."""
+    model = tiny_int4
+    step = compiled_step.DecodeStep(model)
+
+    def planned(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only):
+        return step(*compiled_step.step_inputs(model, input_ids, positions, query_slots, slot_is_token, cache,
+                                               slot_end))
+
+    ids, mask = left_pad(prompts([3, 9, 40]))  # 40: the plan's padding past one KEY_BLOCK
+    model._compiled_decode = planned
+    _, pairs = _eager_and_step_logits(model, ids, mask, 8)
+    assert len(pairs) == 7
+    for got, want in pairs:
+        assert torch.equal(got, want)
+
+
 # --- the cache's rules, with a stand-in builder ------------------------------------------------------
 
 
@@ -249,3 +267,14 @@ def test_the_default_model_compiled_says_what_eager_says_alone_and_in_a_batch(sm
             torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * float(want.abs().max()))
     assert "compiling" in capfd.readouterr().err
     assert len(compiled_cache.entries()) == 1  # batch 1
+
+
+def test_lmcli_info_lists_the_entries_with_their_size(cache, tmp_path):
+    from lmcli.console import describe_cache
+
+    build, _ = _writer(b"y" * 3000)
+    package = compiled_cache.obtain("tiny", KEY, build, "a step")
+    checkpoint = tmp_path / "model"  # any checkpoint: compiled entries are listed whatever it is
+    checkpoint.mkdir()
+    size = sum(f.stat().st_size for f in package.parent.iterdir())
+    assert f"a compiled decode step, {size / 1024:.1f} KiB (compiled/{package.parent.name})" in describe_cache(checkpoint)
