@@ -32,7 +32,8 @@ DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (t
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
 ROLES = ("system", "user", "assistant")
 # Settings that belong to a one-shot prompt, not to a conversation's sampling.
-NOT_SETTABLE = ("chat", "system", "logprobs", "constraint")  # a constraint: /set json_schema etc.
+# A constraint: /set json_schema etc.; speculation is the command's (--prompt-lookup, --draft-model).
+NOT_SETTABLE = ("chat", "system", "logprobs", "constraint", "prompt_lookup", "draft_model", "num_draft_tokens")
 
 
 class ChatError(LmcliError):

@@ -374,7 +374,9 @@ def generate(
 
     speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
                                        draft_quantize.value if draft_quantize is not None else None)
-    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate)
+    settings = _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs, truncate=not no_truncate,
+                                    prompt_lookup=prompt_lookup, draft_model=draft_model is not None,
+                                    num_draft_tokens=num_draft_tokens)  # a job's rows may choose otherwise
     resolved = _resolve(checkpoint, model, tokenizer)
     # The model's own sampling defaults fill what no flag set (read from its files, not loaded).
     settings = settings.with_model_defaults(resolved.defaults)
@@ -392,9 +394,11 @@ def generate(
     with _process_group(tp, input_path, device):
         if input_path is not None:
             with _exit_when_stopped():
-                runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
-                             resolved.identity, tp)
-            runs.speculation_summary(stats)
+                try:
+                    runs.run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats,
+                                 resolved.identity, tp)
+                finally:  # before a failed row's error line
+                    runs.speculation_summary(stats)
             return
         text = runs.read_prompt(prompt)
         with _exit_when_stopped():

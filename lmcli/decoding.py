@@ -22,6 +22,7 @@ from lmcli.config import is_number as is_number  # the one definition; re-export
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes 0..2**64-1 (a negative seed aliases one of those)
+MAX_DRAFT_TOKENS = 64  # a bound on num_draft_tokens: a longer guess is rarely taken whole, and costs its pass
 
 _NO_VALUE = object()
 
@@ -248,7 +249,15 @@ SETTINGS = _table(
     # Structured output: one of --json-schema/--json/--regex/--grammar, or a job row's key of the same
     # name (json_schema, json, regex, grammar), or an OpenAI body's response_format (openai_batch.py).
     Setting("constraint", CONSTRAINT, flag="--json-schema/--json/--regex/--grammar"),
+    # Speculative decoding (lmcli.speculation): how a row guesses tokens, if at all. The draft model itself
+    # is the command's (--draft-model PATH|NAME loads it); a row's "draft_model" switches it on or off.
+    # OpenAI bodies take the same names (extension fields, as vLLM's top_k is one).
+    Setting("prompt_lookup", SWITCH, optional=False, flag="--prompt-lookup", row=True, openai=("prompt_lookup",)),
+    Setting("draft_model", SWITCH, optional=False, flag="--draft-model", row=True, openai=("draft_model",)),
+    Setting("num_draft_tokens", INTEGER, low=1, high=MAX_DRAFT_TOKENS, said=f"an integer from 1 to {MAX_DRAFT_TOKENS}",
+            flag="--num-draft-tokens", row=True, openai=("num_draft_tokens",)),
 )
+SPECULATION = ("prompt_lookup", "draft_model", "num_draft_tokens")
 SAMPLING_ONLY = tuple(name for name, setting in SETTINGS.items() if setting.sampling_only)
 ROW_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.row)
 FLAG_NAMES = {name: setting.flag for name, setting in SETTINGS.items() if setting.flag}
@@ -265,6 +274,8 @@ def check_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     """Each of `values` (by name) by its rule, then greedy decoding with a sampling-only setting refused;
     returns them normalised. Raises SamplingError for the first that breaks."""
     checked = {name: SETTINGS[name].check(value) for name, value in _temperature_first(values)}
+    if checked.get("prompt_lookup") and checked.get("draft_model"):
+        raise SamplingError("prompt_lookup", "are two ways to guess tokens: choose one", other="draft_model")
     if checked.get("temperature") == 0:
         for name in SAMPLING_ONLY:
             if checked.get(name) is not None:

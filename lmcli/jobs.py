@@ -30,6 +30,8 @@ Job semantics (this is what the README documents):
   but the seed and max_new_tokens, and --ignore-eos), then sorted by
   max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
+- Speculation: a row's `prompt_lookup`, `draft_model`, `num_draft_tokens` choose over the flags'; such a
+  row runs by itself and records its counts (lmcli.speculation.JobSpeculation).
 - The input is read as it is consumed (job_input.JobRows), never held in memory.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.
@@ -364,6 +366,9 @@ def settings_record(settings: GenerationSettings) -> dict:
     values.pop("seed")
     values["stop"] = list(settings.stop)
     values["constraint"] = settings.constraint.describe() if settings.constraint is not None else None
+    for name in ("prompt_lookup", "draft_model"):  # off: not recorded (rows read as before speculation)
+        if not values[name]:
+            del values[name]
     return {name: value for name, value in values.items() if value is not None}
 
 
@@ -404,7 +409,12 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
     """Every row: continuously (generation/continuous.py) where use_continuous says so, returning its
     stats, else in planned batches (None)."""
     from lmcli.generation.continuous import ContinuousRun, use_continuous
+    from lmcli.speculation import JobSpeculation
 
+    speculation = JobSpeculation(model, tokenizer)  # speculating rows run apart, as they are reached
+    model = speculation.model  # the others run as without speculation (continuously where they can)
+    rows = speculation.apart(rows, done, lambda row, e: failed(row, _one_line(e)),
+                             (ValueError, RuntimeError, LmcliError), batch_size)
     if not use_continuous(model):
         for batch in plan_batches(list(rows), batch_size):
             _generate_isolating_failures(model, tokenizer, batch, done, failed)

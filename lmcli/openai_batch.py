@@ -192,12 +192,25 @@ def response_row(custom_id: str, url: str, result: Any, model_name: str, record:
         "created": int(time.time()),
         "model": model_name,
         "choices": [choice],
-        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": _usage(prompt_tokens, completion_tokens, result.speculation),
         "system_fingerprint": record["model"]["fingerprint"],
     }
     return {"id": "batch_req_" + key, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": key, "body": body}, "error": None, "lmcli": record}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None) -> dict:
+    """OpenAI's usage; a speculating row adds its guesses kept and dropped as OpenAI counts predicted
+    tokens, and lmcli's own counts (lmcli.speculation.row_counts) as an extension member."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if speculation is not None:
+        if "drafted" in speculation:
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": speculation["accepted"],
+                "rejected_prediction_tokens": speculation["drafted"] - speculation["accepted"]}
+        usage["speculation"] = speculation
+    return usage
 
 
 def error_row(custom_id: Any, message: str, record: dict) -> dict:

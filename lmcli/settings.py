@@ -5,7 +5,9 @@ Four layers decide each setting, the first that sets it wins:
     a command-line flag > a job row's field > the model's own defaults > lmcli's defaults
 
 (what the user typed for this run wins over what the input file asks for, and a row wins over the
-model's and lmcli's defaults). A row's value that a flag overrides is still checked, then dropped
+model's and lmcli's defaults). Speculation (`prompt_lookup`, `draft_model`, `num_draft_tokens`) is the
+one exception: its flags set the job's default and load what it needs (the draft), and a row's field
+chooses for that row (it decides how fast a row's tokens come, not which: greedy text is the same). A row's value that a flag overrides is still checked, then dropped
 without a word (no warning per row). Top-k and top-p are one unit: a flag that sets either keeps the
 row's pair out; otherwise a row that sets either replaces both. A greedy flag (--greedy,
 --temperature 0) makes every row greedy and drops the rows' sampling-only settings; a row's
@@ -34,6 +36,7 @@ from lmcli.decoding import (
     FLAG_NAMES,
     SAMPLING_ONLY,
     SETTINGS,
+    SPECULATION,
     SWITCH,
     DecodingFields,
     SamplingError,
@@ -85,6 +88,9 @@ class GenerationSettings(DecodingFields):
     logprobs: int | None = None  # how many alternatives per token; None = no logprobs
     truncate: bool = True  # a prompt longer than the context loses its start (with a warning); False: refuse
     constraint: Constraint | None = None  # the structured output the row must have (generation/constraints.py)
+    prompt_lookup: bool = False  # speculate by prompt lookup (lmcli.speculation)
+    draft_model: bool = False  # speculate with the command's --draft-model
+    num_draft_tokens: int | None = None  # the bound on a guess (None: lmcli.generation.speculative's default)
     # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
@@ -164,8 +170,9 @@ class GenerationSettings(DecodingFields):
             return values
 
         changes = _made(own, RowError, _row_name)
+        changes.update(_made(lambda: self._row_speculation(changes), RowError, _row_name))
         # A flag wins: the row's value for anything a flag set is dropped (silently; see the module doc).
-        flagged = {name for name, where in self.sources.items() if where == FLAG}
+        flagged = {name for name, where in self.sources.items() if where == FLAG} - set(SPECULATION)
         if flagged & set(TRUNCATION):
             flagged |= set(TRUNCATION)  # the flags' truncation stands whole
         if self.source("temperature") == FLAG and self.temperature == 0:
@@ -188,6 +195,25 @@ class GenerationSettings(DecodingFields):
                     changes[name] = None
                     sources.pop(name, None)
         return _made(lambda: self._over_model(changes, sources, self.model_defaults), RowError)
+
+    def _row_speculation(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """A row's speculation fields over these settings' (the row's own choice wins, see the module doc):
+        a row that switches one method on switches the other off; "draft_model" needs the command's draft."""
+        changes: dict[str, Any] = {}
+        if row.get("prompt_lookup") and self.draft_model:
+            changes["draft_model"] = False
+        if row.get("draft_model"):
+            if not self.draft_model:
+                raise SamplingError("draft_model", "needs --draft-model (the command loads the draft)")
+            if self.prompt_lookup:
+                changes["prompt_lookup"] = False
+        merged = {name: row.get(name, changes.get(name, getattr(self, name))) for name in ("prompt_lookup", "draft_model")}
+        if row.get("num_draft_tokens") is not None and not any(merged.values()):
+            raise SamplingError("num_draft_tokens", 'needs "prompt_lookup": true (or --prompt-lookup, --draft-model)')
+        return changes
+
+    def speculates(self) -> bool:
+        return self.prompt_lookup or self.draft_model
 
     def with_model_defaults(self, defaults: ModelDefaults) -> GenerationSettings:
         """These settings over the model's own defaults (which fill only what no flag or row set)."""
@@ -269,7 +295,7 @@ class GenerationSettings(DecodingFields):
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
         sampling = (value for name, value in self._decoding().items() if name != "max_new_tokens")
-        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs)
+        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs, *(getattr(self, n) for n in SPECULATION))
 
     def used(self) -> dict[str, Any]:
         """The decoding settings in effect (those that are on), as JSON output records them."""
@@ -359,6 +385,23 @@ def parse_logit_bias(specs: list[str] | None) -> tuple[tuple[str, float], ...]:
 
 def input_hash(prompt: Any, settings: GenerationSettings) -> str:
     """A fingerprint of what decides a row's result, so resume can tell if the input changed."""
-    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings) if f.compare}
-    payload = json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+    return input_hasher(settings)(prompt)
+
+
+def input_hasher(settings: GenerationSettings) -> Callable[[Any], str]:
+    """input_hash for many prompts with the same settings, their JSON written once: the payload is
+    json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)."""
+    values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
+              if f.compare and f.name not in SPECULATION}
+    if not settings.greedy:  # speculation leaves greedy text as it is, and draws a sampled row's differently
+        values.update({name: getattr(settings, name) for name in SPECULATION if getattr(settings, name)})
+    tail = (', "settings": ' + json.dumps(values, sort_keys=True, ensure_ascii=False) + "}").encode("utf-8")
+
+    def hash_prompt(prompt: Any) -> str:
+        # a string's JSON by json's own C encoder (what json.dumps calls for one, without its set-up)
+        text = json.encoder.encode_basestring(prompt) if isinstance(prompt, str) else json.dumps(
+            prompt, sort_keys=True, ensure_ascii=False)
+        head = '{"prompt": ' + text
+        return hashlib.sha256(head.encode("utf-8") + tail).hexdigest()[:16]
+
+    return hash_prompt

@@ -108,6 +108,7 @@ class RowResult:
     started: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
+    speculation: dict | None = None  # a speculating job row's counts (lmcli.speculation.row_counts)
 
     @property
     def done(self) -> bool:
@@ -128,6 +129,8 @@ class RowResult:
             out["logprobs"] = self.logprobs
         if self.error is not None:
             out["error"] = self.error
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
         out["input_hash"] = self.row.input_hash
         return out
 
