@@ -160,7 +160,7 @@ class SpeculatingModel:
 class JobSpeculation:
     """A job's rows, each speculating as its settings say (`prompt_lookup`, `draft_model`, `num_draft_tokens`:
     the flags' choice unless the row makes its own). Rows that do not speculate go to the plain model (and
-    so to continuous batching); one that does runs by itself, and its result carries its own counts
+    so to continuous batching); those that do run apart (`apart`), and each result carries its own counts
     (`RowResult.speculation`); the job's totals, per method, are what `--stats` prints."""
 
     def __init__(self, model: Any, tokenizer: Any):
