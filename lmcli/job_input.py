@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmcli.errors import LmcliError, UsageError
-from lmcli.settings import JOB_ROW_SETTINGS, GenerationSettings, RowError, input_hash
+from lmcli.settings import JOB_ROW_SETTINGS, GenerationSettings, RowError, input_hash, input_hasher
 
 ROW_FIELDS = ("prompt", "id", *JOB_ROW_SETTINGS)
 
@@ -79,14 +79,19 @@ class JobRows:
         return JobRows(self.path, self.settings, self._keep, part)
 
 
-def _parse_rows(path: Path, settings: GenerationSettings) -> Iterator[JobRow]:
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line, read as a stream (/dev/zero is refused)."""
     from lmcli.io.bounded import MAX_INPUT_LINE, bounded_lines
 
-    def lines() -> Iterator[tuple[int, bytes]]:  # a stream: /dev/zero is refused
-        for number, raw in enumerate(bounded_lines(path, MAX_INPUT_LINE, LmcliError, "input"), start=1):
-            yield number, raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a byte order mark
+    for number, raw in enumerate(bounded_lines(path, MAX_INPUT_LINE, LmcliError, "input"), start=1):
+        yield number, raw.removeprefix(b"\xef\xbb\xbf") if number == 1 else raw  # a byte order mark
 
-    parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _parse_text_line
+
+def _parse_rows(path: Path, settings: GenerationSettings) -> Iterator[JobRow]:
+    def lines() -> Iterator[tuple[int, bytes]]:
+        return _lines(path)
+
+    parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _text_line_parser(settings)
     if parse is _parse_jsonl_line and is_openai_file(next((raw for _, raw in lines() if raw.strip()), b"")):
         parse = _parse_openai_line
     for number, raw in lines():
@@ -100,13 +105,21 @@ def _parse_rows(path: Path, settings: GenerationSettings) -> Iterator[JobRow]:
         yield parse(number, text, settings)
 
 
-def _parse_text_line(number: int, text: str, settings: GenerationSettings) -> JobRow:
-    prompt = unescape_line(text)
-    return JobRow(number, number, input_hash(prompt, settings), prompt=prompt, settings=settings)
+def _text_line_parser(settings: GenerationSettings) -> Callable[[int, str, GenerationSettings], JobRow]:
+    """Plain-text lines share the job's settings: their part of each row's input hash is written once."""
+    hash_prompt = input_hasher(settings)
+
+    def parse(number: int, text: str, settings: GenerationSettings) -> JobRow:
+        prompt = unescape_line(text)
+        return JobRow(number, number, hash_prompt(prompt), prompt=prompt, settings=settings)
+
+    return parse
 
 
 def unescape_line(text: str) -> str:
     """Plain-text input writes a newline inside a prompt as \\n and a backslash as \\\\."""
+    if "\\" not in text:
+        return text
     out, i = [], 0
     while i < len(text):
         if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "n\\":
@@ -192,21 +205,33 @@ def id_key(row_id: Any) -> str:
 
 def _count_refusing_duplicates(path: Path, settings: GenerationSettings) -> int:
     """How many rows the input has; refuses duplicate ids as read_rows does, keeping only a 64-bit
-    digest per row (the lines of a digest that repeats are then found by a second pass)."""
+    digest per row (the lines of a digest that repeats are then found by a second pass; a plain-text
+    file's ids are its line numbers, so its lines are only counted). The digests
+    are kept in 256 arrays by their first byte and sorted one array at a time, so what the sort makes
+    of them (Python ints, about 40 bytes each) is for 1/256 of the rows at once."""
     import hashlib
     from array import array
 
-    digests = array("q")
+    if not str(path).endswith(".jsonl"):  # plain text: a row's id is its line number, never repeated
+        return sum(1 for _, raw in _lines(path) if raw.strip())
+
+    def digest(row: JobRow) -> int:
+        return int.from_bytes(hashlib.blake2b(id_key(row.id).encode(), digest_size=8).digest(), "little", signed=True)
+
+    buckets = [array("q") for _ in range(256)]
+    count = 0
     for row in _parse_rows(path, settings):
-        digest = hashlib.blake2b(id_key(row.id).encode(), digest_size=8).digest()
-        digests.append(int.from_bytes(digest, "little", signed=True))
-    ordered = sorted(digests)
-    repeated = {a for a, b in itertools.pairwise(ordered) if a == b}
-    del ordered
+        value = digest(row)
+        buckets[value & 255].append(value)
+        count += 1
+    repeated: set[int] = set()
+    for bucket in buckets:
+        ordered = sorted(bucket)
+        repeated.update(a for a, b in itertools.pairwise(ordered) if a == b)
+    del ordered, buckets
     if repeated:
-        _refuse_duplicate_ids([row for row in _parse_rows(path, settings) if int.from_bytes(
-            hashlib.blake2b(id_key(row.id).encode(), digest_size=8).digest(), "little", signed=True) in repeated])
-    return len(digests)
+        _refuse_duplicate_ids([row for row in _parse_rows(path, settings) if digest(row) in repeated])
+    return count
 
 
 def _refuse_duplicate_ids(rows: list[JobRow]) -> None:

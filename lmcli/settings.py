@@ -385,9 +385,23 @@ def parse_logit_bias(specs: list[str] | None) -> tuple[tuple[str, float], ...]:
 
 def input_hash(prompt: Any, settings: GenerationSettings) -> str:
     """A fingerprint of what decides a row's result, so resume can tell if the input changed."""
+    return input_hasher(settings)(prompt)
+
+
+def input_hasher(settings: GenerationSettings) -> Callable[[Any], str]:
+    """input_hash for many prompts with the same settings, their JSON written once: the payload is
+    json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)."""
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
               if f.compare and f.name not in SPECULATION}
     if not settings.greedy:  # speculation leaves greedy text as it is, and draws a sampled row's differently
         values.update({name: getattr(settings, name) for name in SPECULATION if getattr(settings, name)})
-    payload = json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+    tail = (', "settings": ' + json.dumps(values, sort_keys=True, ensure_ascii=False) + "}").encode("utf-8")
+
+    def hash_prompt(prompt: Any) -> str:
+        # a string's JSON by json's own C encoder (what json.dumps calls for one, without its set-up)
+        text = json.encoder.encode_basestring(prompt) if isinstance(prompt, str) else json.dumps(
+            prompt, sort_keys=True, ensure_ascii=False)
+        head = '{"prompt": ' + text
+        return hashlib.sha256(head.encode("utf-8") + tail).hexdigest()[:16]
+
+    return hash_prompt

@@ -1,7 +1,7 @@
 """Structured output where the earlier tests did not look (found by the planted-bug audit,
 docs/testing.md): a mask reused for a second generate() call, JSON without free whitespace even when
-the model wants newlines, a typo inside "properties", a job row's `"json": false`, and the documented
-token limit of a constrained row.
+the model wants newlines, a typo inside "properties", a job row's `"json": false`, the documented
+token limit of a constrained row, and a SentencePiece vocabulary ("▁" for a space, as Gemma's and Llama's).
 
 References: Python's `re` and `json` modules and the `jsonschema` library judge the text; the README's
 numbers are written out here. The tiny byte-level checkpoint keeps it fast.
@@ -84,3 +84,36 @@ def test_a_constrained_row_without_a_length_gets_the_documented_512():
     over = GenerationSettings.from_flags(constraint=Constraint.parse("json", True)).with_model_defaults(ModelDefaults())
     assert over.max_new_tokens == 512
     assert GenerationSettings.from_flags().with_model_defaults(ModelDefaults()).max_new_tokens == 128
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-style SentencePiece vocabulary as a GGUF file describes it ("▁" for a space, byte
+    fallback tokens), built by lmcli's GGUF tokenizer reader (which test_gguf checks against transformers)."""
+    from lmcli.io.tokenizer.gguf import tokenizer_from_gguf
+
+    pieces = ["a", "b", "ab", "\u2581a", "\u2581b", "\u2581ab", "\u2581"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *pieces]
+    types = [2, 3, 3, *([6] * 256), *([1] * len(pieces))]
+    scores = [0.0, 0.0, 0.0, *([0.0] * 256), *(-float(i) for i in range(len(pieces)))]
+    return tokenizer_from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+                                "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
+                                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                                "tokenizer.ggml.unknown_token_id": 0}), tokens
+
+
+def test_a_sentencepiece_vocabulary_is_constrained_by_the_text_its_tokens_make():
+    """After "a" under the regex `[ab ]+` (not one forced text, so the engine goes by each token's bytes),
+    the mask allows the tokens a SentencePiece model writes words with: "▁b" (a space and b), "▁ab",
+    "▁"; and only tokens whose text, as the tokenizer decodes it after "a", is made of a, b and spaces."""
+    tokenizer, tokens = _sentencepiece_tokenizer()
+    vocab, a = len(tokens), tokens.index("a")  # the plain piece (as a text's first token it would be "▁a")
+    mask = ConstraintMask(tokenizer, [Constraint.parse("regex", "[ab ]+")], vocab)
+    bos = tokenizer.encode("", add_special_tokens=True)
+    mask(torch.tensor([bos]), torch.zeros(1, vocab))  # the prompt
+    allowed = torch.isfinite(mask(torch.tensor([[*bos, a]]), torch.zeros(1, vocab))[0]).nonzero().view(-1).tolist()
+    assert tokenizer.decode([a, tokens.index("\u2581b")]) == "a b"  # the tokenizer's own reading
+    assert {"\u2581b", "\u2581ab", "\u2581", "b"} <= {tokens[t] for t in allowed}, [tokens[t] for t in allowed]
+    for t in allowed:
+        if t not in tokenizer.eos_token_ids:
+            text = tokenizer.decode([a, t])
+            assert re.fullmatch("[ab ]+", text) and len(text) > 1, (tokens[t], text)

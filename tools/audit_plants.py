@@ -148,8 +148,8 @@ PLANTS = [
     Plant("D9", "settings", ST, 'if name != "max_new_tokens")', 'if name not in ("max_new_tokens", "temperature"))',
           "rows with different temperatures share one batch: all but one get another row's temperature",
           tests=SETTINGS_AND_JOBS),
-    Plant("D10", "settings", ST, "for f in dataclasses.fields(settings) if f.compare}",
-          'for f in dataclasses.fields(settings) if f.compare and f.name != "stop"}',
+    Plant("D10", "settings", ST, "if f.compare and f.name not in SPECULATION}",
+          'if f.compare and f.name not in (*SPECULATION, "stop")}',
           "--resume accepts an output made with other stop strings", tests=SETTINGS_AND_JOBS),
     Plant("D12", "settings", ST, "temperature = changes.get(\"temperature\", self.temperature)",
           "temperature = self.temperature", "a greedy model's top_k is kept: loading it fails"),
@@ -228,7 +228,7 @@ PLANTS = [
           tests=(*AREAS["jobs"], *AREAS["openai"])),
     Plant("J8", "jobs", JI, 'row_id = obj.get("id", number)', 'row_id = obj.get("id", number - 1)',
           "a row without id gets a 0-based id (the docs say its 1-based line number)"),
-    Plant("J9", "jobs", JI, 'lines[0] = lines[0].removeprefix(b"\\xef\\xbb\\xbf")', "lines[0] = lines[0]",
+    Plant("J9", "jobs", JI, 'yield number, raw.removeprefix(b"\\xef\\xbb\\xbf") if number == 1 else raw', "yield number, raw",
           "an input with a byte order mark: the first row is invalid JSON / prompt starts with U+FEFF"),
     Plant("J10", "jobs", RO, "return ids[-keep:], len(ids) - keep", "return ids[:keep], len(ids) - keep",
           "a prompt longer than the context keeps its start, not its end"),
@@ -243,7 +243,8 @@ PLANTS = [
           tests=(*AREAS["structured"], "tests/test_jobs.py")),
     Plant("X3", "structured", CO, "CONSTRAINED_MAX_NEW_TOKENS = 512", "CONSTRAINED_MAX_NEW_TOKENS = 128",
           "a constrained row without -n stops at 128 tokens: objects cut off"),
-    Plant("X4", "structured", CO, "        elif self._seen != -1:\n            self.reset()", "        elif self._seen == -1:\n            self.reset()",
+    Plant("X4", "structured", CO, "restart = ahead is not None or (self._seen != -1 and length != self._seen + 1)",
+          "restart = ahead is not None",
           "a mask reused for a second generate() continues the first's grammar state"),
     Plant("X6", "structured", CO, 'pieces.append(bytes([int(match.group(1), 16)]) if match else piece.replace("\\u2581", " ").encode())',
           "pieces.append(bytes([int(match.group(1), 16)]) if match else piece.encode())",
@@ -270,8 +271,8 @@ PLANTS = [
     Plant("E5", "encdec", RO, "prompt_length=1 if encoder_decoder else width,", "prompt_length=width,",
           "an encoder-decoder with min_new_tokens / penalties counts the decoder's tokens from the encoder input's width",
           tests=(*AREAS["encdec"],)),
-    Plant("E6", "encdec", RO, "RowText(tokenizer, r.settings.stop, () if encoder_decoder else r.prompt_ids)",
-          "RowText(tokenizer, r.settings.stop, r.prompt_ids)",
+    Plant("E6", "encdec", RO, "RowText(tokenizer, row.settings.stop, () if encoder_decoder else row.prompt_ids)",
+          "RowText(tokenizer, row.settings.stop, row.prompt_ids)",
           "an encoder-decoder's text is decoded after the encoder input's tokens (wrong first characters)"),
     Plant("E7", "encdec", BA, 'embed_scale=d_model**0.5 if hf.get("scale_embedding") else 1.0,', "embed_scale=d_model**0.5,",
           "BART without scale_embedding scales its embeddings: wrong text"),
@@ -282,4 +283,96 @@ PLANTS = [
           "on a fully busy machine OMP_NUM_THREADS=0"),
     Plant("H3", "threads", TH, "elif not follows_load and (busy or machine.local_ranks > 1):", "elif not follows_load and busy:",
           "torchrun ranks sharing a quiet machine spin against each other"),
+]
+
+# --- start-up: the packed-weights cache (io/packed_cache.py, models/packed_model.py), io/atomic.py, the
+# packed entry's place in loading.py
+AREAS["startup"] = ("tests/test_startup_packed.py", "tests/test_atomic.py")
+PC, PM, AT, LO = "lmcli/io/packed_cache.py", "lmcli/models/packed_model.py", "lmcli/io/atomic.py", "lmcli/loading.py"
+STARTUP_AND_JOBS = (*AREAS["startup"], "tests/test_job_durability.py")
+PLANTS += [
+    Plant("U1", "startup", PC, '"dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),',
+          '"dtype": "auto",', "--dtype float32 after a start without it maps the bfloat16 entry: other logits"),
+    Plant("U2", "startup", PC, 'for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS")}', 'for name in ("LMCLI_KERNEL",)}',
+          "--fast-kernels after a start without it keeps the batch-invariant plan of the entry"),
+    Plant("U3", "startup", PC, "pieces.add((start + max(0, length - EDGE_BYTES), min(length, EDGE_BYTES)))",
+          "pieces.add((start, min(length, EDGE_BYTES)))",
+          "damage in a tensor's last page of an entry goes unchecked: wrong logits from a damaged cache"),
+    Plant("U4", "startup", AT, "            file.flush()\n            os.fsync(file.fileno())\n", "            file.flush()\n",
+          "a durable write (a resumed job's rewritten output) is renamed into place before it is on disk",
+          tests=STARTUP_AND_JOBS),
+    Plant("U5", "startup", PC, 'body["key"].get("source") == key["source"]:', 'body["key"].get("source") != key["source"]:',
+          "a changed GGUF's old entries stay in the cache (and another file's of the same stem go)"),
+    Plant("U6", "startup", AT, "if pid.isdigit() and not _pid_alive(int(pid)):", "if pid.isdigit() and _pid_alive(int(pid)):",
+          "a live writer's temporary is removed under it (and a dead one's kept forever)", tests=STARTUP_AND_JOBS),
+    Plant("U7", "startup", LO, 'if resolved.kind != "gguf" or quantize is not None or device.type != "cpu"',
+          'if resolved.kind != "gguf" or device.type != "cpu"',
+          "--quantize int8 on a GGUF maps the entry of a plain load: the file's own quantization, not int8"),
+    Plant("U8", "startup", PM, "if (plan.kernel, plan.large_rows) != (choice.kernel, choice.large_rows):",
+          "if plan.large_rows != choice.large_rows:",
+          "an entry made under another kernel plan is used (the old kernel), not rebuilt"),
+]
+
+# --- continuous batching, the prefix cache and the streamed job input (issue 22's second audit)
+CB, PX = "lmcli/generation/continuous.py", "lmcli/generation/prefix_cache.py"
+AREAS["continuous"] = ("tests/test_continuous.py", "tests/test_continuous_input.py", "tests/test_continuous_jobs.py")
+PLANTS += [
+    Plant("Q1", "continuous", CB, "[[column - live.start if live is not None else 0]",
+          "[[column - live.start + 1 if live is not None else 0]",
+          "a row in a continuous batch decodes at positions one past its own: other text than its single run"),
+    Plant("Q2", "continuous", CB, "batch.slot_is_token[place, start:batch.column] = True",
+          "batch.slot_is_token[place, start + 1:batch.column] = True",
+          "a row placed in the batch no longer attends to its prompt's first token: other text"),
+    Plant("Q3", "continuous", PX, "        while end < len(ids):\n", "        while end <= len(ids):\n",
+          "a prompt of whole blocks met a second time (the same prompt, another seed) leaves nothing to "
+          "compute: the job crashes"),
+    Plant("Q4", "continuous", PX, "self._blocks.popitem(last=False)", "self._blocks.popitem(last=True)",
+          "the prefix cache drops its most recently used block: the shared system prompt is recomputed"),
+    Plant("Q5", "continuous", PX, "while self.bytes + size > self.max_bytes:", "while self.bytes > self.max_bytes:",
+          "the prefix cache grows one block past its memory bound"),
+    Plant("Q6", "continuous", CB, "[row.seed] if policy.do_sample else None, 1, device)", "None, 1, device)",
+          "a sampled row in a continuous job ignores its seed: other text than its single run, not reproducible"),
+    Plant("Q7", "continuous", CB, "return  # finished at its first token", "pass  # finished at its first token",
+          "a row done at its first token (-n 1, or EOS first) joins the batch anyway: written twice, or the job crashes"),
+    Plant("Q8", "continuous", CB, "self.stats.busy += sum(busy)", "self.stats.busy += len(busy)",
+          "--stats says the batch was 100% full whatever its occupancy"),
+    Plant("Q9", "continuous", JI, "return JobRows(self.path, self.settings, self._keep, part)",
+          "return JobRows(self.path, self.settings, None, part)",
+          "a data-parallel rank's share of a resumed job forgets which rows are finished: they are written again"),
+    Plant("Q10", "continuous", JI, "itertools.pairwise(ordered) if a == b}", "itertools.pairwise(digests) if a == b}",
+          "two rows with one id on lines that are not next to each other are accepted (two output rows with one id)"),
+]
+# Fresh plants in the samplers, settings and names modules (not tuned to the tests that exist).
+PLANTS += [
+    Plant("S13", "samplers", SA, "k = min(self.top_k, logits.shape[-1])", "k = self.top_k",
+          "--top-k larger than the vocabulary crashes (topk past the last token) instead of keeping every token"),
+    Plant("S14", "samplers", SA, "entropy = -(log_probs.exp() * log_probs).nansum(dim=-1, keepdim=True)",
+          "entropy = -(log_probs.exp() * log_probs).sum(dim=-1, keepdim=True)",
+          "typical-p after a processor that masks tokens (-inf) has a nan entropy: it keeps every token"),
+    Plant("S15", "samplers", SA, "if input_ids.shape[1] - self.prompt_length >= self.min_new_tokens or",
+          "if input_ids.shape[1] - self.prompt_length > self.min_new_tokens or",
+          "--min-new-tokens N blocks EOS for N + 1 tokens"),
+    Plant("D13", "settings", MD, "if value is not None and not (SETTINGS[name].off is not None and value == SETTINGS[name].off):",
+          "if value is not None:", 'a generation_config.json with "top_k": 0 (transformers\' off) fails to load'),
+    Plant("D14", "settings", MD, 'if SETTINGS[name].kind == "integer" and is_number(values[name])',
+          'if SETTINGS[name].kind == "int" and is_number(values[name])',
+          'a generation_config.json writing "top_k": 40.0 fails to load ("must be an integer")'),
+    Plant("D15", "settings", DC, "(vocab_size is not None and token >= vocab_size)", "(vocab_size is not None and token > vocab_size)",
+          "--logit-bias on the token id equal to the vocabulary size is accepted: an index error mid-run",
+          tests=(*AREAS["settings"], "tests/test_samplers.py")),  # the bias's range is a sampler's rule too
+    Plant("N12", "names", MN, "    if len(ggufs) > 1:\n", "    if len(ggufs) > 2:\n",
+          "a models-directory entry with two .gguf files silently takes the first instead of asking which"),
+    Plant("N13", "names", FP, 'DECIDING_FILES = ("config.json", "generation_config.json", "tokenizer.json",',
+          'DECIDING_FILES = ("config.json", "tokenizer.json",',
+          "a changed generation_config.json keeps the fingerprint: --resume accepts rows made with other defaults",
+          tests=FINGERPRINTS),
+    Plant("N14", "names", MN, 'return Path(os.environ["HF_HOME"]).expanduser() / "hub"',
+          'return Path(os.environ["HF_HOME"]).expanduser()', "with HF_HOME set, -m ORG/NAME finds no model in the hub cache"),
+]
+# Two more in continuous batching: what happens to the rows of a batch when a row or a step fails.
+PLANTS += [
+    Plant("Q11", "continuous", CB, "                    self.batch = None\n", "                    pass\n",
+          "after a batched step fails, its rows are run alone and then go on in the old batch too: written twice"),
+    Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
+          "a row that fails to start goes to alone, not isolate (none: jobs.py, the one caller, makes alone isolate)"),
 ]

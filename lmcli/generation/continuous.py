@@ -201,26 +201,28 @@ class ContinuousRun:
         device = model.device
         one = ModelCache([KVCache(1, config.num_key_value_heads, n, config.head_dim, model.dtype, device)
                           for _ in config.layer_types])
-        cached = self.prefix_cache.restore(ids, one) if self.prefix_cache is not None else 0
+        known = self.prefix_cache.logits(ids) if self.prefix_cache is not None else None  # a prompt seen before
+        cached = self.prefix_cache.restore(ids, one, whole=known is not None) if self.prefix_cache is not None else 0
         self.stats.prefill_requested += n
         self.stats.prefill_computed += n - cached
         x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, n)
         is_token = torch.ones(1, n, dtype=torch.bool, device=device)
-        logits = None
+        logits = known if cached == n else None  # (1, V)
         for begin in range(cached, n, self.prefill_chunk):
             end = min(n, begin + self.prefill_chunk)
             slots = torch.arange(begin, end, device=device)
-            logits = model.forward_slots(x[:, begin:end], slots[None], slots, is_token, one, last_only=True)
+            logits = model.forward_slots(x[:, begin:end], slots[None], slots, is_token, one, last_only=True)[:, -1]
         assert logits is not None
+        logits = logits.float()
         if self.prefix_cache is not None:
-            self.prefix_cache.store(ids, one, n)
+            self.prefix_cache.store(ids, one, n, logits)
         policy = batch_policy(model, self.tokenizer, [row], n)
         chain = make_processor_chain(policy.do_sample, 1.0, None, None, policy.processors)
         choose = make_sampler(policy.do_sample, [row.seed] if policy.do_sample else None, 1, device)
         text = torch.empty(n + row.settings.max_new_tokens, dtype=torch.long, device=device)
         text[:n] = x[0]
         result = new_result(self.tokenizer, row, _now())
-        return _Row(result, policy, chain, choose, text, n, prompt_cache=one), logits[:, -1].float()
+        return _Row(result, policy, chain, choose, text, n, prompt_cache=one), logits
 
     def _choose(self, live: _Row, logits: torch.Tensor) -> bool:
         """The row's next token from its logits [1, V], as its single run chooses it; True when it ends."""

@@ -1,9 +1,13 @@
 """Keys and values of prompt prefixes, computed once and reused by every row that starts the same way.
 
 Rows of a job often begin with the same tokens: the chat template and a system message, or a few-shot
-header. The cache keeps the keys and values of such prefixes in blocks of BLOCK tokens, each keyed by
-all the token ids from the start of the prompt to the block's end (so a block is only ever reused after
-the very same tokens). Its memory is bounded (`max_bytes`); the least recently used block goes first.
+header; and a job that samples several answers to one question repeats a whole prompt. The cache keeps
+the keys and values of prompts in blocks of BLOCK tokens, each keyed by all the token ids from the start
+of the prompt to the block's end (so a block is only ever reused after the very same tokens), and each
+prompt's last partial block (its *tail*, under the blocks before it) with the logits its last token
+gave. A prompt reuses its longest run of whole blocks, then as many tokens as it shares with a block
+or tail that continues them; a prompt seen before reuses all of it and its logits, and computes nothing. Its memory is
+bounded (`max_bytes` of keys, values and logits); the least recently used entry goes first.
 
 Entries come from one-row caches whose every layer holds every slot (continuous.py prefills rows so);
 what a prefix's keys are does not depend on what follows it, so a row that reuses them and computes
@@ -22,7 +26,7 @@ import torch
 
 from lmcli.models.cache import KVCache, ModelCache
 
-BLOCK = 16  # tokens per entry: a prompt reuses the longest run of whole blocks it shares
+BLOCK = 16  # tokens per block: a prompt reuses the longest run of whole blocks it shares, then a tail
 DEFAULT_MAX_BYTES = 128 * 2**20
 PREFIX_CACHE_ENV = "LMCLI_PREFIX_CACHE"  # "1" or "0": overrides prefix_cache_for's choice
 
@@ -42,11 +46,22 @@ def prefix_cache_for(model: Any) -> PrefixCache | None:
 class PrefixStats:
     requested: int = 0  # prompt tokens to prefill
     computed: int = 0  # of those, computed (the rest came from the cache)
-    evicted: int = 0  # blocks dropped to stay within the bound
+    evicted: int = 0  # entries dropped to stay within the bound
+
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # (keys, values) per layer, each (nkv, n, hd)
+
+
+@dataclass
+class _Entry:
+    begin: int  # the slot of its first token (its tokens are its key's ids from there)
+    kv: KV
+    size: int  # bytes counted against the bound
+    logits: torch.Tensor | None = None  # a tail's: the prompt's last logits [1, V] float32
 
 
 class PrefixCache:
-    """Blocks of keys and values by token ids: [(keys, values) per layer, each (nkv, BLOCK, hd)]."""
+    """Blocks and tails of keys and values by token ids, least recently used dropped first."""
 
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES, block: int = BLOCK):
         if max_bytes < 0 or block < 1:
@@ -55,53 +70,113 @@ class PrefixCache:
         self.block = block
         self.bytes = 0
         self.stats = PrefixStats()
-        self._blocks: OrderedDict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = OrderedDict()
+        # ("block", ids to the block's end) or ("tail", the whole prompt's ids) -> entry
+        self._entries: OrderedDict[tuple[str, tuple[int, ...]], _Entry] = OrderedDict()
+        # the ids before an entry -> the entries that continue them (where a prompt that leaves the
+        # blocks it shares part-way through one looks for the rest)
+        self._children: dict[tuple[int, ...], set[tuple[str, tuple[int, ...]]]] = {}
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._entries)
 
-    def restore(self, ids: list[int], cache: ModelCache) -> int:
-        """Fill the one-row `cache` with the longest cached prefix of `ids`, leaving at least one token to
-        compute (its logits choose the first new token); returns that prefix's length."""
+    def logits(self, ids: list[int]) -> torch.Tensor | None:
+        """The last logits [1, V] of exactly the prompt `ids`, if it was stored (a copy: the caller's)."""
+        entry = self._entries.get(("tail", tuple(ids)))
+        return None if entry is None or entry.logits is None else entry.logits.clone()
+
+    def restore(self, ids: list[int], cache: ModelCache, whole: bool = False) -> int:
+        """Fill the one-row `cache` with the longest cached prefix of `ids` and return its length; it
+        leaves at least one token to compute (whose logits choose the first new token) unless `whole`
+        (the caller has the prompt's logits from `logits`)."""
+        limit = len(ids) - (0 if whole else 1)  # tokens it may fill
+        device = cache.layers[0].keys.device
         reused = 0
-        end = self.block
-        while end < len(ids):
-            entry = self._blocks.get(tuple(ids[:end]))
-            if entry is None or not _fits(entry, cache):
+        while reused + self.block <= limit:
+            key = ("block", tuple(ids[:reused + self.block]))
+            entry = self._entries.get(key)
+            if entry is None or not _fits(entry.kv, cache):
                 break
-            self._blocks.move_to_end(tuple(ids[:end]))
-            slots = torch.arange(end - self.block, end, device=cache.layers[0].keys.device)
-            for layer, (keys, values) in zip(cache.layers, entry):
-                layer.place(0, keys, values, slots)
-            reused = end
-            end += self.block
-        return reused
+            self._entries.move_to_end(key)
+            _place(cache, entry.kv, torch.arange(reused, reused + self.block, device=device))
+            reused += self.block
+        best, best_key = 0, None
+        for child in self._children.get(tuple(ids[:reused]), ()):
+            entry = self._entries[child]
+            shared = _common_length(child[1][reused:], ids[reused:limit])
+            if shared > best and _fits(entry.kv, cache):
+                best, best_key = shared, child
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+            kv = [(keys[:, :best], values[:, :best]) for keys, values in self._entries[best_key].kv]
+            _place(cache, kv, torch.arange(reused, reused + best, device=device))
+        return reused + best
 
-    def store(self, ids: list[int], cache: ModelCache, length: int) -> None:
-        """Keep the whole blocks of the first `length` tokens that are not kept yet."""
+    def store(self, ids: list[int], cache: ModelCache, length: int, logits: torch.Tensor | None = None) -> None:
+        """Keep the whole blocks of the first `length` tokens that are not kept yet; with the prompt's
+        last `logits` [1, V] (then `length` is all of `ids`), its tail too."""
         for end in range(self.block, length + 1, self.block):
-            key = tuple(ids[:end])
-            if key in self._blocks:
-                self._blocks.move_to_end(key)
+            key = ("block", tuple(ids[:end]))
+            if key in self._entries:
+                self._entries.move_to_end(key)
                 continue
-            begin = end - self.block
-            entry = [(layer.keys[0, :, begin:end].clone(), layer.values[0, :, begin:end].clone())
-                     for layer in cache.layers]
-            size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in entry)
-            if size > self.max_bytes:
+            if not self._add(key, _Entry(end - self.block, _copy(cache, end - self.block, end), 0)):
                 return
-            while self.bytes + size > self.max_bytes:
-                self._evict()
-            self._blocks[key] = entry
-            self.bytes += size
+        if logits is None or length != len(ids):
+            return
+        key = ("tail", tuple(ids))
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        begin = length // self.block * self.block
+        self._add(key, _Entry(begin, _copy(cache, begin, length), 0, logits.float().clone()))
+
+    def _add(self, key: tuple[str, tuple[int, ...]], entry: _Entry) -> bool:
+        """Keep `entry` within the bound, dropping the least recently used; False if it alone is too big."""
+        entry.size = _bytes(entry.kv)  # and its logits: the tensors (a key's ids are bounded by the entries)
+        if entry.logits is not None:
+            entry.size += entry.logits.numel() * entry.logits.element_size()
+        if entry.size > self.max_bytes:
+            return False
+        while self.bytes + entry.size > self.max_bytes:
+            self._evict()
+        self._entries[key] = entry
+        self._children.setdefault(key[1][:entry.begin], set()).add(key)
+        self.bytes += entry.size
+        return True
 
     def _evict(self) -> None:
-        _, entry = self._blocks.popitem(last=False)
-        self.bytes -= sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in entry)
+        key, entry = self._entries.popitem(last=False)
+        self.bytes -= entry.size
         self.stats.evicted += 1
+        siblings = self._children[key[1][:entry.begin]]
+        siblings.discard(key)
+        if not siblings:
+            del self._children[key[1][:entry.begin]]
 
 
-def _fits(entry: list[tuple[torch.Tensor, torch.Tensor]], cache: ModelCache) -> bool:
+def _copy(cache: ModelCache, begin: int, end: int) -> KV:
+    return [(layer.keys[0, :, begin:end].clone(), layer.values[0, :, begin:end].clone()) for layer in cache.layers]
+
+
+def _place(cache: ModelCache, kv: KV, slots: torch.Tensor) -> None:
+    for layer, (keys, values) in zip(cache.layers, kv):
+        layer.place(0, keys, values, slots)
+
+
+def _bytes(kv: KV) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def _common_length(a: tuple[int, ...], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _fits(entry: KV, cache: ModelCache) -> bool:
     """An entry made for this model's layers (a stale or foreign one is never used)."""
     return len(entry) == len(cache.layers) and all(
         isinstance(layer, KVCache) and keys.shape[0] == layer.keys.shape[1] and keys.shape[2] == layer.keys.shape[3]
