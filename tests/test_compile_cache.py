@@ -245,26 +245,33 @@ def test_an_unwritable_cache_or_a_failing_build_decodes_eagerly_with_one_warning
 
 
 @pytest.mark.full
-def test_the_default_model_compiled_says_what_eager_says_alone_and_in_a_batch(smollm2_gguf, cache, capfd):
-    """Greedy text of the real-model prompts, eager against the compiled step, each prompt alone (batch 1,
-    the program) and the five as one left-padded batch (batch 5, eager): the same tokens, row by row;
-    each compiled step's logits within 2^-6 of the largest one."""
+def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_gguf, cache, capfd):
+    """The real-model prompts, each alone (batch 1: the program) and the five as one left-padded batch
+    (batch 5: eager, as alone). Each compiled step's logits, on eager's cache, within 2^-6 of the largest
+    logit of eager's; the compiled greedy text is eager's up to the first step where eager's two best
+    logits lie within twice that of each other (measured: one prompt of five parts there, at token 22)."""
     model, tokenizer = lmcli.load(smollm2_gguf)
     rows = [torch.tensor(tokenizer.encode(p)) for p in TEXT_PROMPTS]
     new = 24
     alone = [model.generate(row[None], new, False)[0, -new:] for row in rows]
     ids, mask = left_pad(rows)
     batched = model.generate(ids, new, False, attention_mask=mask)[:, -new:]
+    assert torch.equal(batched, torch.stack(alone))  # batch-invariant
     assert model.compile_decode()
-    for row, want in zip(rows, alone):
-        assert torch.equal(model.generate(row[None], new, False)[0, -new:], want)
     assert torch.equal(model.generate(ids, new, False, attention_mask=mask)[:, -new:], batched)
-    assert torch.equal(batched, torch.stack(alone))  # batch-invariant, compiled as eager
-    for row in rows:
-        _, pairs = _eager_and_step_logits(model, row[None], None, 8)
-        for got, want in pairs:
-            assert torch.equal(got.argmax(-1), want.argmax(-1))
-            torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * float(want.abs().max()))
+    for row, want_tokens in zip(rows, alone):
+        got_tokens = model.generate(row[None], new, False)[0, -new:]
+        tokens, pairs = _eager_and_step_logits(model, row[None], None, new)  # along eager's own path
+        assert torch.equal(tokens[0, -new:], want_tokens) and len(pairs) == new - 1
+        near_tie = new
+        for step, (got, want) in enumerate(pairs, start=1):  # pairs[i] gives token i + 1
+            tolerance = 2**-6 * float(want.abs().max())
+            torch.testing.assert_close(got, want, rtol=0, atol=tolerance)
+            best = want[0].topk(2).values
+            if float(best[0] - best[1]) <= 2 * tolerance:
+                near_tie = min(near_tie, step)
+        differs = (got_tokens != want_tokens).nonzero()
+        assert not len(differs) or int(differs[0]) >= near_tie, (row, got_tokens, want_tokens, near_tie)
     assert "compiling" in capfd.readouterr().err
     assert len(compiled_cache.entries()) == 1  # batch 1
 
