@@ -17,6 +17,7 @@ import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 
 import lmcli
+from lmcli.errors import UsageError
 from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.prefix_cache import PrefixCache
 from lmcli.generation.rows import prepare_row
@@ -174,3 +175,12 @@ def test_a_row_that_fails_to_start_is_isolated_and_the_others_go_on(model_and_to
     assert isolated == [2]
     for row in (rows[0], rows[1], rows[3]):
         assert got[row.id] == alone(model, tokenizer, row), row.id
+
+
+def test_a_repeated_id_far_from_its_first_line_is_refused(tmp_path):
+    """Between the two lines of one id lie 2,999 others (some of them in any bucket of the digests)."""
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) for i in range(3000)] + [json.dumps({"id": "r5", "prompt": "x"})]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(UsageError, match='input lines 6 and 3001 have the same id "r5"'):
+        JobRows(path, GenerationSettings())

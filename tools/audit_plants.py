@@ -341,7 +341,7 @@ PLANTS += [
           "return JobRows(self.path, self.settings, None, part)",
           "a data-parallel rank's share of a resumed job forgets which rows are finished: they are written again"),
     Plant("Q10", "continuous", JI, "itertools.pairwise(ordered) if a == b)", "itertools.pairwise(bucket) if a == b)",
-          "two rows with one id on lines that are not next to each other are accepted (two output rows with one id)"),
+          "in a large input, two rows with one id far apart are accepted (two output rows with one id)"),
 ]
 # Fresh plants in the samplers, settings and names modules (not tuned to the tests that exist).
 PLANTS += [
