@@ -181,7 +181,7 @@ def read_finished(path: Path) -> dict[str, dict]:
 
     What is kept of each is lmcli's record of how it was made (its id, input_hash and model, the model
     record shared by the rows that name the same one), not its text: resuming an output of a million
-    rows holds their ids and hashes (about 250 bytes a row), never the rows. The file is read as a
+    rows holds their ids and hashes (about 400 bytes a row, measured), never the rows. The file is read as a
     stream. A partial last line (a hard kill mid-write) and rows that failed are removed, by copying
     the rest to a temporary file renamed over the output, so that a crash during the tidy-up loses
     nothing.
