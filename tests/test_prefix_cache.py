@@ -113,3 +113,43 @@ def test_tails_and_logits_count_against_the_bound_and_are_evicted(loaded):
     cache_4, logits_4 = one_row_cache(model, a[:4])
     small.store(a[:4], cache_4, 4, logits_4)  # a tail alone, bigger than the bound: kept nowhere
     assert small.bytes == 0 and len(small) == 0 and small.logits(a[:4]) is None
+
+
+def fresh_reply(model, tokenizer, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """`model.generate` over the whole rendered conversation, greedy: what a chat turn must give."""
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_ids)
+    return out[0, len(ids):].tolist()
+
+
+def test_chat_reuses_kept_blocks_after_a_system_switch_and_in_a_new_session(loaded):
+    from lmcli.chat_session import ChatSession
+
+    model, tokenizer = loaded("llama")
+    settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=5, chat=True)
+    shared = PrefixCache(block=4)
+    system_a = "the first system message, long enough to fill a few blocks"
+    session = ChatSession(model, tokenizer, settings, context=256, system=system_a, prefix_cache=shared)
+
+    def turn(text):
+        before = [*session.messages, {"role": "user", "content": text}]
+        done = session.reply(text)
+        assert done.result.tokens == fresh_reply(model, tokenizer, before, 5), text
+        return done, tokenizer.encode_chat(before, add_generation_prompt=True), list(session._cached_ids)
+
+    first, ids1, kept1 = turn("hello there")
+    assert first.prefill_tokens == len(ids1)
+    session.set_system("another system message")
+    turn("and now?")
+    # Back to the first system message: its conversation is gone from the session's one cache (the
+    # second system message overwrote it) but its blocks are kept, to the token.
+    session.set_system(system_a)
+    third, ids3, _ = turn("back again")
+    assert common(ids3, kept1) > len(ids1) // 2
+    assert third.prefill_tokens == len(ids3) - common(ids3, kept1)
+    # A new session sharing the cache, with the same system message and first question: all but the
+    # last token of its prompt comes from the blocks kept.
+    other = ChatSession(model, tokenizer, settings, context=256, system=system_a, prefix_cache=shared)
+    again = other.reply("hello there")
+    assert again.result.tokens == first.result.tokens and again.prefill_tokens == 1
