@@ -153,3 +153,15 @@ def test_chat_reuses_kept_blocks_after_a_system_switch_and_in_a_new_session(load
     other = ChatSession(model, tokenizer, settings, context=256, system=system_a, prefix_cache=shared)
     again = other.reply("hello there")
     assert again.result.tokens == first.result.tokens and again.prefill_tokens == 1
+
+
+def test_a_ring_cache_is_never_stored(loaded):
+    """A rolling layer keeps slot s at s % capacity: its keys are not a prefix's, so nothing is kept."""
+    model, tokenizer = loaded("window")
+    settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=4, chat=True)
+    from lmcli.chat_session import ChatSession
+
+    prefix = PrefixCache(block=4)
+    session = ChatSession(model, tokenizer, settings, context=128, system="a system message", prefix_cache=prefix)
+    session.reply("hello")
+    assert len(prefix) == 0 and prefix.bytes == 0

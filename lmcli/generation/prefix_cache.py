@@ -125,7 +125,10 @@ class PrefixCache:
 
     def store(self, ids: list[int], cache: ModelCache, length: int, logits: torch.Tensor | None = None) -> None:
         """Keep the whole blocks of the first `length` tokens that are not kept yet; with the prompt's
-        last `logits` [1, V] (then `length` is all of `ids`), its tail too."""
+        last `logits` [1, V] (then `length` is all of `ids`), its tail too. Only a cache whose every layer
+        keeps every slot (KVCache, slot s at index s) is read; a ring's is not what its slots say."""
+        if not all(isinstance(layer, KVCache) for layer in cache.layers):
+            return
         for end in range(self.block, length + 1, self.block):
             key = ("block", tuple(ids[:end]))
             if key in self._entries:
