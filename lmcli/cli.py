@@ -26,7 +26,7 @@ import typer
 
 from lmcli.bench_sections import SECTIONS
 from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring modules load only for `bench`
-from lmcli.command_group import LmcliGroup
+from lmcli.command_group import LmcliGroup, defer_collection, resume_collection
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
@@ -291,6 +291,7 @@ def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True
             resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
+    resume_collection()
     if compile_decode:
         loaded.compile_decode()
     if text_tokenizer is None and need_tokenizer:
@@ -674,4 +675,5 @@ def bench(
 
 def main() -> None:
     """The console-script entry point."""
+    defer_collection(sys.argv)  # until the model is loaded (_load)
     app()

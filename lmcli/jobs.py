@@ -413,10 +413,10 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
     from lmcli.generation.continuous import ContinuousRun, use_continuous
     from lmcli.speculation import JobSpeculation
 
-    speculation = JobSpeculation(model, tokenizer)  # a speculating row runs by itself, as it is reached
+    speculation = JobSpeculation(model, tokenizer)  # speculating rows run apart, as they are reached
     model = speculation.model  # the others run as without speculation (continuously where they can)
     rows = speculation.apart(rows, done, lambda row, e: failed(row, _one_line(e)),
-                             (ValueError, RuntimeError, LmcliError))
+                             (ValueError, RuntimeError, LmcliError), batch_size)
     if not use_continuous(model):
         for batch in plan_batches(list(rows), batch_size):
             _generate_isolating_failures(model, tokenizer, batch, done, failed)

@@ -59,7 +59,7 @@ def _hf_defaults(path: Path) -> ModelDefaults:
 def _gguf_defaults(path: Path) -> ModelDefaults:
     from lmcli.io.gguf_reader import read_gguf_metadata
 
-    metadata = read_gguf_metadata(path)
+    metadata = read_gguf_metadata(path, texts=False)  # the vocabulary is not needed here
     values = {name: metadata[setting.gguf] for name, setting in SETTINGS.items()
               if setting.gguf and setting.gguf in metadata and not setting.off_in_llama_cpp(metadata[setting.gguf])}
     return checked_model_defaults(values, f"{path.name} (general.sampling)")

@@ -173,27 +173,59 @@ class JobSpeculation:
             LOADED.append(self)  # the job's summary is this one's
 
     def apart(self, rows: Iterable[Any], done: Callable[[Any], None], failed: Callable[[Any, Exception], None],
-              errors: tuple[type[Exception], ...]) -> Iterator[Any]:
+              errors: tuple[type[Exception], ...], batch_size: int = 1) -> Iterator[Any]:
         """Of PreparedRows, those that do not speculate; those that do are generated on the way (`done`),
-        or fail alone (`failed(row, error)`, unless the row was done already)."""
+        up to `batch_size` of one kind together where their passes can be shared exactly (see
+        generation/speculative_batch.py), else each by itself; a failed call's unfinished rows are retried
+        alone, and a row that fails alone is `failed(row, error)`."""
+        waiting: dict[tuple, list[Any]] = {}
         for row in rows:
             if not row.settings.speculates():
                 yield row
                 continue
-            finished: list[Any] = []
-            try:
-                self.run_row(row, done, finished)
-            except errors as e:
-                if not finished:
-                    failed(row, e)
+            key = self._kind(row)
+            if key is None:
+                self._run_isolating([row], done, failed, errors)
+                continue
+            waiting.setdefault(key, []).append(row)
+            if len(waiting[key]) >= batch_size:
+                self._run_isolating(waiting.pop(key), done, failed, errors)
+        for group in waiting.values():  # the input is over: the rest of each kind
+            self._run_isolating(group, done, failed, errors)
 
-    def run_row(self, row: Any, on_done: Callable[[Any], None], finished: list[Any] | None = None) -> None:
-        """Generate one speculating row; `on_done(result)` gets it with its counts once its call returns
-        (after it is added to `finished`)."""
+    def _kind(self, row: Any) -> tuple | None:
+        """What rows must share to go together (one generate call, the same length so that none decodes past
+        its own end), or None where a row goes alone: a draft model (a cache per row), stop strings (a
+        row's stop is seen only after the call), or a model whose rows cannot share passes exactly."""
+        from lmcli.generation.speculative_batch import can_decode_together
+
+        settings = row.settings
+        if settings.draft_model or settings.stop or not can_decode_together(self.model, 2, None, None):
+            return None
+        return settings.batch_key(), settings.max_new_tokens
+
+    def _run_isolating(self, group: list[Any], done: Callable[[Any], None], failed: Callable[[Any, Exception], None],
+                       errors: tuple[type[Exception], ...]) -> None:
+        finished: list[Any] = []
+        try:
+            self.run_rows(group, done, finished)
+        except errors as e:
+            ended = {id(result.row) for result in finished}
+            left = [row for row in group if id(row) not in ended]
+            if len(group) == 1:
+                for row in left:
+                    failed(row, e)
+                return
+            for row in left:
+                self._run_isolating([row], done, failed, errors)
+
+    def run_rows(self, rows: list[Any], on_done: Callable[[Any], None], finished: list[Any] | None = None) -> None:
+        """Generate speculating rows of one kind in one call; `on_done(result)` gets each with its own counts
+        once the call returns (after it is added to `finished`)."""
         from lmcli.generation.rows import generate_batch
         from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, SpeculationStats
 
-        settings = row.settings
+        settings = rows[0].settings
         speculator = self._speculator(settings.draft_model)
         stats = SpeculationStats()
         k = settings.num_draft_tokens or DEFAULT_DRAFT_TOKENS
@@ -209,11 +241,15 @@ class JobSpeculation:
             return self.model.generate(*args, **kwargs, **extra)
 
         try:
-            generate_batch(self.model, self.tokenizer, [row], on_done=ended.append, run=run)
+            generate_batch(self.model, self.tokenizer, rows, on_done=ended.append, run=run)
         finally:  # the counts are whole only when the call is over (a row ends inside its last pass)
-            speculator.add(stats)
+            # Each row's own counts; switched off, the call's note for each.
+            per_row = stats.rows if len(stats.rows) == len(rows) else [stats] * len(rows)
+            for row_stats in per_row:
+                speculator.add(row_stats)
             for result in ended:
-                result.speculation = row_counts(speculator.request.method, stats)
+                place = next(i for i, row in enumerate(rows) if row is result.row)
+                result.speculation = row_counts(speculator.request.method, per_row[place])
                 finished.append(result)
                 on_done(result)
 

@@ -1,10 +1,10 @@
 """Continuous batching, the prefix cache and the streamed job input at the edges the earlier tests did not
 reach (found by the planted-bug audit, docs/testing.md): the same prompt of whole blocks met twice, rows
-done at their first token, the batch occupancy --stats reports, and a data-parallel share of a resumed
-job's rows.
+done at their first token, the batch occupancy --stats reports, a data-parallel share of a resumed
+job's rows, and a row or a batched step that fails.
 
 References: `model.generate` on each row alone (called directly), the counts of steps and rows in
-flight written out from the rows' lengths, and the row ids the test wrote.
+flight written out from the rows' lengths, and the row ids the test wrote (which rows fail, where).
 """
 
 from __future__ import annotations
@@ -109,3 +109,67 @@ def test_a_ranks_share_of_the_rows_still_to_do(tmp_path):
     assert [row.id for row in todo[0::2]] == [2, 5, 8]
     assert [row.id for row in todo[1::2]] == [3, 6, 9]
     assert len(todo[1::2]) == 3
+
+
+class FailingModel:
+    """The model, but its forward pass raises for the prompts of some lengths (their prefill) and at one
+    batched step, as a row's engine or the batch's memory can fail."""
+
+    def __init__(self, model, prompt_lengths=(), step: int | None = None):
+        self._model, self.prompt_lengths, self.step, self.steps = model, set(prompt_lengths), step, 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward_slots(self, x, *args, **kwargs):
+        if x.shape[1] == 1 and x.shape[0] > 1:  # (B, 1): a batched step
+            self.steps += 1
+            if self.steps == self.step:
+                raise RuntimeError("this step fails")
+        elif x.shape[1] in self.prompt_lengths:  # (1, n): a prompt's prefill
+            raise ValueError("this row fails")
+        return self._model.forward_slots(x, *args, **kwargs)
+
+
+def run_failing(model, tokenizer, rows, batch_size: int):
+    """(tokens by row done in the batch, rows handed to isolate), wired as jobs.py wires them (a row that
+    runs alone is isolated too)."""
+    done: list = []
+    isolated: list = []
+
+    def isolate(stranded):
+        isolated.extend(row.id for row in stranded)
+
+    run = ContinuousRun(model, tokenizer, batch_size, on_done=lambda r: done.append((r.row.id, list(r.tokens))),
+                        alone=lambda row: isolate([row]))
+    run.run(rows, isolate)
+    assert Counter(row_id for row_id, _ in done) + Counter(isolated) == Counter(row.id for row in rows)  # once each
+    return dict(done), isolated
+
+
+def test_a_failed_step_hands_its_rows_to_isolate_once(model_and_tokenizer):
+    """The rows in flight when a batched step fails are run one by one (isolate) and nowhere else; the
+    rows after them start a new batch and give their single run's tokens."""
+    model, tokenizer = model_and_tokenizer
+    settings = GenerationSettings(ignore_eos=True)
+    rows = [prepare_row(tokenizer, i, f"row {i} " * (1 + i % 3), settings.for_row({"max_new_tokens": 3 + i % 4,
+                                                                                   "temperature": 0}))
+            for i in range(7)]
+    got, isolated = run_failing(FailingModel(model, step=2), tokenizer, rows, 3)
+    assert sorted(isolated) == [0, 1, 2]  # the first three rows are in flight at the second step
+    for row in rows[3:]:
+        assert got[row.id] == alone(model, tokenizer, row), row.id
+
+
+def test_a_row_that_fails_to_start_is_isolated_and_the_others_go_on(model_and_tokenizer):
+    """A row whose prefill fails is handed over once (jobs.py writes its error row); the others are unchanged."""
+    model, tokenizer = model_and_tokenizer
+    settings = GenerationSettings(ignore_eos=True)
+    rows = [prepare_row(tokenizer, i, f"row {i} " * (1 + i), settings.for_row({"max_new_tokens": 4, "temperature": 0}))
+            for i in range(4)]
+    failing = len(rows[2].prompt_ids)
+    assert [len(row.prompt_ids) for row in rows].count(failing) == 1
+    got, isolated = run_failing(FailingModel(model, prompt_lengths=[failing]), tokenizer, rows, 2)
+    assert isolated == [2]
+    for row in (rows[0], rows[1], rows[3]):
+        assert got[row.id] == alone(model, tokenizer, row), row.id

@@ -88,6 +88,7 @@ def test_a_batch_that_fails_after_a_row_finished_writes_each_row_once(tmp_path, 
                                                                        monkeypatch):
     """The three-row batch fails at its fourth step (as running out of memory would), after the 2-token
     row is written: the other two are run alone, and the finished one is neither run nor written again."""
+    from lmcli.generation.continuous import SCHEDULER_ENV
     from lmcli.models.base import BaseModel
 
     real_generate, batches = BaseModel.generate, []
@@ -105,6 +106,7 @@ def test_a_batch_that_fails_after_a_row_finished_writes_each_row_once(tmp_path, 
         return real_generate(self, input_ids, *args, on_token=counted if on_token else None, **kwargs)
 
     monkeypatch.setattr(BaseModel, "generate", failing)
+    monkeypatch.setenv(SCHEDULER_ENV, "batches")  # planned batches (a float model's default, too)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"prompt": "Hello there", "max_new_tokens": n}) + "\n" for n in (2, 6, 6)))
     result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "--greedy", "--ignore-eos",

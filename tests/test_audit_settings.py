@@ -1,7 +1,7 @@
 """Settings the earlier tests compared only with lmcli's own constants, or did not combine (found by the
 planted-bug audit, docs/testing.md): the documented defaults written out as the README states them,
-a generation_config.json without `do_sample`, a sampling --temperature beside a row's top-k, and a
---logit-bias token that is itself "=".
+a generation_config.json without `do_sample`, a sampling --temperature beside a row's top-k, a
+--logit-bias token that is itself "=", and whole numbers a generation_config.json writes as floats.
 """
 
 from __future__ import annotations
@@ -43,3 +43,14 @@ def test_logit_bias_splits_at_the_last_equals_sign(spec, pair):
 def test_logit_bias_without_a_bias_is_refused():
     with pytest.raises(UsageError, match="TOKEN=BIAS"):
         parse_logit_bias(["hello"])
+
+
+def test_a_generation_config_writing_whole_numbers_as_floats(tmp_path):
+    """A config kept in floats and dumped writes "top_k": 40.0: the whole number it is (the literal values here)."""
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.7, "top_k": 40.0, "max_new_tokens": 64.0}))
+    defaults = read_model_defaults(tmp_path)
+    assert defaults.values == {"temperature": 0.7, "top_k": 40, "max_new_tokens": 64}
+    assert type(defaults.values["top_k"]) is int and type(defaults.values["max_new_tokens"]) is int
+    settings = GenerationSettings.from_flags().with_model_defaults(defaults)
+    assert (settings.temperature, settings.top_k, settings.max_new_tokens) == (0.7, 40, 64)

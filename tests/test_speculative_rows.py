@@ -241,3 +241,31 @@ def test_a_constrained_row_says_speculation_was_off_for_it(tiny_checkpoint, load
     assert written["free"]["speculation"] == counts(free, "prompt lookup")
     assert f"prompt lookup: {free.drafted} drafted, {free.accepted} accepted" in result.stderr
     assert f"switched off for 1 row ({note})" in result.stderr
+
+
+def test_on_a_batch_invariant_model_lookup_rows_of_a_job_share_passes(tiny_checkpoint, tmp_path, monkeypatch):
+    """int8 weights: rows are batch-invariant, so a job's lookup rows of one kind go together."""
+    from lmcli.generation import speculative, speculative_batch
+
+    together: list[int] = []
+    decode = speculative_batch.decode_together
+
+    def counting(model, rows):
+        together.append(len(rows))
+        return decode(model, rows)
+
+    monkeypatch.setattr(speculative, "decode_together", counting)
+    quantized = lmcli.load(str(tiny_checkpoint), quantize="int8")
+    assert quantized[0].batch_invariant
+    p = prompts()
+    rows: list[dict[str, Any]] = [{"id": i, "prompt": text, "prompt_lookup": i != 2} for i, text in enumerate(p)]
+    rows.append({"id": "k2", "prompt": p[2], "prompt_lookup": True, "num_draft_tokens": 2})  # another kind
+    result, written = run_job(tmp_path, tiny_checkpoint, rows, "--quantize", "int8", "--batch-size", 8)
+    assert result.exit_code == 0, result.stderr
+    assert together == [3]  # the three rows with K = 8 share passes; the K = 2 row is a call of one
+    for row in rows:
+        got = written[row["id"]]
+        assert [step["id"] for step in got["logprobs"]] == reference(quantized, row["prompt"])[0], row["id"]
+        if row["prompt_lookup"]:
+            k = row.get("num_draft_tokens", DEFAULT_DRAFT_TOKENS)
+            assert got["speculation"] == counts(reference(quantized, row["prompt"], prompt_lookup=k)[1], "prompt lookup")

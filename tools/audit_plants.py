@@ -358,7 +358,8 @@ PLANTS += [
           'if SETTINGS[name].kind == "int" and is_number(values[name])',
           'a generation_config.json writing "top_k": 40.0 fails to load ("must be an integer")'),
     Plant("D15", "settings", DC, "(vocab_size is not None and token >= vocab_size)", "(vocab_size is not None and token > vocab_size)",
-          "--logit-bias on the token id equal to the vocabulary size is accepted: an index error mid-run"),
+          "--logit-bias on the token id equal to the vocabulary size is accepted: an index error mid-run",
+          tests=(*AREAS["settings"], "tests/test_samplers.py")),  # the bias's range is a sampler's rule too
     Plant("N12", "names", MN, "    if len(ggufs) > 1:\n", "    if len(ggufs) > 2:\n",
           "a models-directory entry with two .gguf files silently takes the first instead of asking which"),
     Plant("N13", "names", FP, 'DECIDING_FILES = ("config.json", "generation_config.json", "tokenizer.json",',
@@ -367,4 +368,11 @@ PLANTS += [
           tests=FINGERPRINTS),
     Plant("N14", "names", MN, 'return Path(os.environ["HF_HOME"]).expanduser() / "hub"',
           'return Path(os.environ["HF_HOME"]).expanduser()', "with HF_HOME set, -m ORG/NAME finds no model in the hub cache"),
+]
+# Two more in continuous batching: what happens to the rows of a batch when a row or a step fails.
+PLANTS += [
+    Plant("Q11", "continuous", CB, "                    self.batch = None\n", "                    pass\n",
+          "after a batched step fails, its rows are run alone and then go on in the old batch too: written twice"),
+    Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
+          "a row that fails to start goes to alone, not isolate (none: jobs.py, the one caller, makes alone isolate)"),
 ]

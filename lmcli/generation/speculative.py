@@ -14,8 +14,9 @@ plain decoding would have it there, so greedy gives token for token `generate(..
 k adapts per row: it doubles (up to `num_draft_tokens`) after a guess is taken whole and falls to one
 more than what was taken after a miss, so text that gives nothing to look up costs almost nothing.
 
-A batch is decoded row by row (each row gets what it gets alone, which is what it gets in a plain
-padded batch). Processors must depend only on the text and the logits they are given (all of
+A batch is decoded in shared passes where that is exact (speculative_batch.py: batch-invariant
+models, prompt lookup, no sliding window), else row by row; either way each row gets what it gets
+alone, which is what it gets in a plain padded batch. Processors must depend only on the text and the logits they are given (all of
 lmcli's do; a structured-output mask, which follows the text step by step, switches speculation off).
 Where the prompt plus max_new_tokens exceeds max_position_embeddings (the target's or the draft's),
 speculation is off and the plain loop runs; `SpeculationStats.note` says why.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ from lmcli.config import eos_id_list
 from lmcli.decoding import SETTINGS, SamplingError
 from lmcli.generation import loop
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row_generators
+from lmcli.generation.speculative_batch import can_decode_together, decode_together
 from lmcli.generation.speculative_draft import DraftProposer, fits
 from lmcli.generation.speculative_sampling import accept_or_resample, draw
 
@@ -64,6 +66,13 @@ class SpeculationStats:
     enabled: bool = True  # False where speculation was switched off (see the module docstring)
     note: str | None = None  # why it was
     cached: int = 0  # with a given cache: the columns it holds after the call
+    rows: list[SpeculationStats] = field(default_factory=list)  # each row's own (the fields above: their sums)
+
+    def add(self, other: SpeculationStats) -> None:
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.passes += other.passes
+        self.draft_passes += other.draft_passes
 
     @property
     def acceptance(self) -> float:
@@ -130,10 +139,16 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
     keep_logits = on_token is not None and batch > 1
     live = on_token if batch == 1 else None
     rows = [_Row(model, x[i].to(model.device), mask[i].to(model.device), i, batch, max_new_tokens, num_draft_tokens,
-                 chain, eos, stats, keep_logits, live, generators[i])
+                 chain, eos, SpeculationStats(), keep_logits, live, generators[i])
             for i in range(batch)]
+    if can_decode_together(model, batch, draft_model, cache):
+        decode_together(model, rows)  # one pass for every row's guesses
+    else:
+        for row in rows:
+            stats.cached = row.run(draft_model, cache, cached)
     for row in rows:
-        stats.cached = row.run(draft_model, cache, cached)
+        stats.add(row.stats)
+    stats.rows = [row.stats for row in rows]
     if on_token is not None and batch > 1:
         _replay(rows, on_token, pad_token_id, model.device)
     if ignore_output:
@@ -193,67 +208,93 @@ class _Row:
         if cache is None:
             cache = model.init_cache(1, self.total, rollback=self.max_draft)  # type: ignore[call-arg]  # BaseModel's
         positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
-        vocab = model.config.vocab_size
-        draft = DraftProposer(draft_model, self.tokens, len(self.tokens) + self.max_new_tokens, self.max_draft,
-                              vocab) if draft_model is not None else None
-        lookup = NgramLookup(self.tokens)
+        self.start(draft_model)
         # The prompt in one pass, as the plain loop feeds it; its last logits give the first token.
         logits = model.forward_slots(self.ids[:, cached:self.width], positions[:, cached:self.width],
                                      torch.arange(cached, self.width, device=device), self.slot_is_token, cache,
                                      last_only=True)[0, -1:].float()  # (1, V)
-        self.stats.passes += 1
-        token = self._pick(self.width, logits[0])[0]
-        self.ids[0, self.width] = token
-        if self._emit(token, logits[0]):
+        if self.first(logits[0]):
             return self.width
-        length, k = self.width + 1, self.max_draft
-        while len(self.new_tokens) < self.max_new_tokens:
+        while not self.done:
             threads.recheck()  # the thread count follows the load, as in the plain loop
-            room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
-            want = min(k, room - 1)
-            dists: list[torch.Tensor] | None = None
-            if want <= 0:
-                guess: list[int] = []
-            elif draft is not None:
-                guess, dists = draft.propose(want, functools.partial(self._pick_guess, length))
-            else:
-                guess = lookup.propose(want)
+            length = self.length
+            guess, dists = self.propose()
             end = length + len(guess)
-            self.ids[0, length:end] = torch.tensor(guess, dtype=torch.long)
             # The newest token, then the guesses, each query as a one-token step would compute it.
             logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],
                                          torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
                                          last_only=not guess)[0, -1 - len(guess):]
-            logits = logits.float()  # (1 + len(guess), V)
-            self.stats.passes += 1
-            self.stats.drafted += len(guess)
-            taken, stop = 0, False
-            for j in range(len(guess) + 1):
-                if j < len(guess):
-                    token, kept = self._check(length + j, logits[j], guess[j], dists[j] if dists else None)
-                else:
-                    token, kept = self._pick(length + j, logits[j])[0], False
-                stop = self._emit(token, logits[j])
-                if kept and not stop:
-                    taken += 1
-                    continue
-                self.ids[0, length + j] = token
-                break
-            self.stats.accepted += taken
-            length += taken + 1
+            rejected = self.verify(logits.float(), guess, dists)  # (1 + len(guess), V)
             # The cache holds the newest token and every guess; keep only the guesses taken.
-            rejected = len(guess) - taken
             if cache.trim(rejected) != rejected:  # never: the ring keeps max_draft spare slots
                 raise RuntimeError(f"the cache could not trim {rejected} rejected tokens")
-            if draft is not None:
-                draft.keep()
-            if guess:
-                k = min(self.max_draft, 2 * k) if taken == len(guess) else taken + 1
-            if stop:
-                break
-        if draft is not None:
-            self.stats.draft_passes += draft.passes
-        return length - 1  # the newest token is fed with the next pass
+        return self.length - 1  # the newest token is fed with the next pass
+
+    # The steps of a decode, shared with speculative_batch.py (which feeds many rows' guesses in one pass).
+
+    def start(self, draft_model: Any = None) -> None:
+        self.draft = DraftProposer(draft_model, self.tokens, len(self.tokens) + self.max_new_tokens, self.max_draft,
+                                   self.model.config.vocab_size) if draft_model is not None else None
+        self.lookup = NgramLookup(self.tokens)
+        self.length, self.k, self.done = self.width, self.max_draft, False
+
+    def first(self, logits: torch.Tensor) -> bool:
+        """The first new token from the prompt's last logits [V]; True when the row ends with it."""
+        self.stats.passes += 1
+        token = self._pick(self.width, logits)[0]
+        self.ids[0, self.width] = token
+        self.length = self.width + 1
+        self.done = self._emit(token, logits) or len(self.new_tokens) >= self.max_new_tokens
+        if self.done:
+            self._finish()
+        return self.done
+
+    def propose(self) -> tuple[list[int], list[torch.Tensor] | None]:
+        """This pass's guess (written into the text after the newest token) and its proposals (a draft's)."""
+        room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
+        want = min(self.k, room - 1)
+        dists: list[torch.Tensor] | None = None
+        if want <= 0:
+            guess: list[int] = []
+        elif self.draft is not None:
+            guess, dists = self.draft.propose(want, functools.partial(self._pick_guess, self.length))
+        else:
+            guess = self.lookup.propose(want)
+        self.ids[0, self.length:self.length + len(guess)] = torch.tensor(guess, dtype=torch.long)
+        return guess, dists
+
+    def verify(self, logits: torch.Tensor, guess: list[int], dists: list[torch.Tensor] | None) -> int:
+        """The guesses kept and the model's next token, from the pass's logits [1 + len(guess), V] at the
+        newest token and each guess; returns how many guesses were rejected."""
+        length = self.length
+        self.stats.passes += 1
+        self.stats.drafted += len(guess)
+        taken, stop = 0, False
+        for j in range(len(guess) + 1):
+            if j < len(guess):
+                token, kept = self._check(length + j, logits[j], guess[j], dists[j] if dists else None)
+            else:
+                token, kept = self._pick(length + j, logits[j])[0], False
+            stop = self._emit(token, logits[j])
+            if kept and not stop:
+                taken += 1
+                continue
+            self.ids[0, length + j] = token
+            break
+        self.stats.accepted += taken
+        self.length += taken + 1
+        if self.draft is not None:
+            self.draft.keep()
+        if guess:
+            self.k = min(self.max_draft, 2 * self.k) if taken == len(guess) else taken + 1
+        self.done = stop or len(self.new_tokens) >= self.max_new_tokens
+        if self.done:
+            self._finish()
+        return len(guess) - taken
+
+    def _finish(self) -> None:
+        if self.draft is not None:
+            self.stats.draft_passes += self.draft.passes
 
     def _scores(self, length: int, logits: torch.Tensor) -> torch.Tensor:
         """The processed scores [V] at a position with the text's first `length` columns before it."""
