@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from test_continuous import alone, continuously, loaded, window_checkpoint  # noqa: F401 (fixtures)
 
 from lmcli.generation.prefix_cache import PrefixCache
@@ -165,3 +166,28 @@ def test_a_ring_cache_is_never_stored(loaded):
     session = ChatSession(model, tokenizer, settings, context=128, system="a system message", prefix_cache=prefix)
     session.reply("hello")
     assert len(prefix) == 0 and prefix.bytes == 0
+
+
+@pytest.mark.full  # about 20 s on two idle cores (each row's reference prefilled alone)
+def test_real_default_model_repeated_and_overlapping_prompts(smollm2_gguf):
+    """The default model as a job loads it: one question asked greedy and with two seeds (the repeats
+    compute nothing), and questions that leave it after the shared system message."""
+    import lmcli
+    from lmcli.bench_job import SYSTEM
+    from lmcli.generation.prefix_cache import prefix_cache_for
+
+    model, tokenizer = lmcli.load(smollm2_gguf)
+    prefix = prefix_cache_for(model)
+    assert prefix is not None
+    settings = GenerationSettings(chat=True, system=SYSTEM)
+    questions = ["Name a colour.", "Name a colour.", "Name a color, please.", "Name a colour.", "Name two."]
+    rows = [prepare_row(tokenizer, i, question, settings.for_row({"temperature": [0, 0.8][i % 2], "seed": 9 + i,
+                                                                    "max_new_tokens": 4 + i}))
+            for i, question in enumerate(questions)]
+    got, stats = continuously(model, tokenizer, rows, 2, prefix)
+    for row in rows:
+        assert got[row.id] == alone(model, tokenizer, row), row.id
+    ids = [row.prompt_ids for row in rows]
+    expected = len(ids[0]) + sum(len(ids[i]) - min(len(ids[i]) - 1, max(common(ids[i], other) for other in ids[:i]))
+                                 for i in (2, 4))  # rows 1 and 3 repeat row 0: nothing computed
+    assert stats.prefill_computed == expected
