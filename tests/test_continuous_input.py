@@ -126,3 +126,12 @@ def test_resume_keeps_a_record_per_finished_row_not_the_rows(tmp_path):
     assert peak < 2**21, peak  # the whole file at once: 20 MB; the rows as parsed: 40 MB
     # The file was tidied (the failed row and the torn last line gone), through a stream as well.
     assert path.read_text(encoding="utf-8") == "".join(json.dumps(row) + "\n" for i, row in enumerate(rows) if i != 7)
+
+
+def test_a_repeated_id_far_from_its_first_line_is_refused(tmp_path):
+    """The ids' digests are sorted before neighbours are compared: a repeat 2,000 lines on is found."""
+    path = tmp_path / "in.jsonl"
+    rows = [{"id": f"r{i}", "prompt": "p"} for i in range(2000)] + [{"id": "r5", "prompt": "again"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    with pytest.raises(UsageError, match='input lines 6 and 2001 have the same id "r5"'):
+        JobRows(path, GenerationSettings())
