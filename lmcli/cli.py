@@ -240,7 +240,7 @@ ColorProbsOption = Annotated[bool, _switch(
 
 def _settings_from_flags(decoding: DecodingFlags, **others: Any):
     """GenerationSettings from a command's decoding flags and `others`."""
-    from lmcli.jobs import unescape_line
+    from lmcli.job_input import unescape_line
     from lmcli.settings import GenerationSettings, parse_logit_bias
 
     flags = dict(decoding)
@@ -280,13 +280,10 @@ def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None 
 def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True, tp: int | None = None,
           quantize: Quantize | None = None, compile_decode: bool = False):
     """Load the resolved model (with a spinner on a terminal); torch is imported here, not before."""
-    from rich.console import Console
-
     import lmcli
 
-    console = Console(stderr=True)
     where = str(resolved.path)
-    with console.status(f"loading {where}…") if console.is_terminal else contextlib.nullcontext():
+    with _spinner(f"loading {where}…"):
         loaded, text_tokenizer = lmcli.load(
             resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
@@ -407,6 +404,16 @@ def generate(
         with _exit_when_stopped():
             runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
             runs.speculation_summary(stats or sys.stdout.isatty())
+
+
+def _spinner(text: str) -> Any:
+    """rich's status line on a terminal's stderr; nothing elsewhere (rich is not even imported then)."""
+    if not (sys.stderr.isatty() or "FORCE_TERMINAL" in os.environ or "TTY_INTERACTIVE" in os.environ):
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    return console.status(text) if console.is_terminal else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -30,8 +30,8 @@ Job semantics (this is what the README documents):
   but the seed and max_new_tokens, and --ignore-eos), then sorted by
   max_new_tokens and prompt length so little padding is wasted. Seeds, stop strings and max_new_tokens
   stay per row.
-- Speculation: a row's `prompt_lookup`, `draft_model`, `num_draft_tokens` choose over the flags'; such a
-  row runs by itself and records its counts (lmcli.speculation.JobSpeculation).
+- Speculation: a row's `prompt_lookup`, `draft_model`, `num_draft_tokens` choose over the flags'; such
+  rows run apart and record their counts (lmcli.speculation.JobSpeculation).
 - The input is read as it is consumed (job_input.JobRows), never held in memory.
 - Every sampled row records the `seed` it used (drawn when none was given), so
   `lmcli generate --seed S ...` reproduces it alone.

@@ -160,7 +160,7 @@ class SpeculatingModel:
 class JobSpeculation:
     """A job's rows, each speculating as its settings say (`prompt_lookup`, `draft_model`, `num_draft_tokens`:
     the flags' choice unless the row makes its own). Rows that do not speculate go to the plain model (and
-    so to continuous batching); one that does runs by itself, and its result carries its own counts
+    so to continuous batching); those that do run apart (`apart`), and each result carries its own counts
     (`RowResult.speculation`); the job's totals, per method, are what `--stats` prints."""
 
     def __init__(self, model: Any, tokenizer: Any):
@@ -169,6 +169,7 @@ class JobSpeculation:
         self.tokenizer = tokenizer
         self.draft_speculator = flagged if flagged is not None and flagged.draft is not None else None
         self.lookup: Speculator | None = flagged if flagged is not None and flagged.draft is None else None
+        self.batch_size = 1
         if flagged is not None:
             LOADED.append(self)  # the job's summary is this one's
 
@@ -179,6 +180,7 @@ class JobSpeculation:
         generation/speculative_batch.py), else each by itself; a failed call's unfinished rows are retried
         alone, and a row that fails alone is `failed(row, error)`."""
         waiting: dict[tuple, list[Any]] = {}
+        self.batch_size = batch_size
         for row in rows:
             if not row.settings.speculates():
                 yield row
@@ -197,10 +199,13 @@ class JobSpeculation:
         """What rows must share to go together (one generate call, the same length so that none decodes past
         its own end), or None where a row goes alone: a draft model (a cache per row), stop strings (a
         row's stop is seen only after the call), or a model whose rows cannot share passes exactly."""
+        from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS
         from lmcli.generation.speculative_batch import can_decode_together
 
         settings = row.settings
-        if settings.draft_model or settings.stop or not can_decode_together(self.model, 2, None, None):
+        k = settings.num_draft_tokens or DEFAULT_DRAFT_TOKENS
+        if settings.draft_model or settings.stop or not can_decode_together(
+                self.model, max(2, self.batch_size), None, None, len(row.prompt_ids), settings.max_new_tokens, k):
             return None
         return settings.batch_key(), settings.max_new_tokens
 

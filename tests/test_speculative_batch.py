@@ -84,3 +84,17 @@ def test_where_columns_would_not_be_exact_rows_go_one_by_one(tmp_path):
     save_reference("llama", tmp_path / "l")
     float_model, _ = lmcli.load(tmp_path / "l")
     assert not float_model.batch_invariant and not can_decode_together(float_model, 2, None, None)
+
+
+def test_a_shared_cache_past_its_bound_sends_the_rows_one_by_one(quantized, monkeypatch):
+    from lmcli.generation import speculative_batch
+
+    assert can_decode_together(quantized, 8, None, None, 64, 128, 8)
+    monkeypatch.setattr(speculative_batch, "MAX_SHARED_CACHE_BYTES", 1)
+    assert not can_decode_together(quantized, 2, None, None, 4, 4, 2)
+    rows = repeating([3, 6])
+    ids, mask = left_pad(rows)
+    got = quantized.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, prompt_lookup=4)
+    for i, row in enumerate(rows):
+        plain = quantized.generate(row[None], max_new_tokens=NEW, do_sample=False)[0, len(row):].tolist()
+        assert got[i, ids.shape[1]:].tolist() == plain

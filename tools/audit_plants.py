@@ -252,10 +252,10 @@ PLANTS = [
     Plant("X7", "structured", CO, "elif key in _SCHEMA_MAPS and isinstance(value, dict):", "elif key in _SCHEMA_LISTS and isinstance(value, dict):",
           "a typo such as 'requird' inside properties is silently ignored"),
     # --- speculation (prompt lookup)
-    Plant("P1", "speculative", SP, "if j < len(guess) and token == guess[j] and not stop:", "if j < len(guess) and token == guess[j]:",
+    Plant("P1", "speculative", SP, "if kept and not stop:", "if kept:",
           "prompt lookup goes on after EOS when the guess continues past it"),
-    Plant("P2", "speculative", SP, "guess = lookup.propose(min(k, room - 1)) if room > 1 else []",
-          "guess = lookup.propose(min(k, room)) if room > 1 else []",
+    Plant("P2", "speculative", SP, "want = min(self.k, room - 1)",
+          "want = min(self.k, room)",
           "prompt lookup can emit one token more than max_new_tokens"),
     Plant("P3", "speculative", SP, "first = int(ids[int((~mask).sum())])", "first = int(ids[0])",
           "in a padded batch processors see pads as the pad token: repetition penalty text differs from plain"),

@@ -141,7 +141,7 @@ def generate(model: loop.SlotModel[Any], x: torch.Tensor, max_new_tokens: int, d
     rows = [_Row(model, x[i].to(model.device), mask[i].to(model.device), i, batch, max_new_tokens, num_draft_tokens,
                  chain, eos, SpeculationStats(), keep_logits, live, generators[i])
             for i in range(batch)]
-    if can_decode_together(model, batch, draft_model, cache):
+    if can_decode_together(model, batch, draft_model, cache, width, max_new_tokens, num_draft_tokens):
         decode_together(model, rows)  # one pass for every row's guesses
     else:
         for row in rows:

@@ -23,12 +23,30 @@ from lmcli import threads
 from lmcli.config import SLIDING
 from lmcli.generation import loop
 
+MAX_SHARED_CACHE_BYTES = 1 << 30  # the shared cache's bound: its columns hold every rejected guess too
 
-def can_decode_together(model: Any, batch: int, draft_model: Any, cache: Any) -> bool:
-    """Whether a speculative call's rows may share passes exactly (see the module docstring)."""
-    layer_types = getattr(model.config, "layer_types", None) or ()
-    return (batch > 1 and draft_model is None and cache is None and bool(getattr(model, "batch_invariant", False))
-            and SLIDING not in layer_types and hasattr(model, "forward_slots"))
+
+def can_decode_together(model: Any, batch: int, draft_model: Any, cache: Any, width: int = 1,
+                        max_new_tokens: int = 1, max_draft: int = 1) -> bool:
+    """Whether a speculative call's rows may share passes exactly (see the module docstring), in a cache
+    of at most MAX_SHARED_CACHE_BYTES (else they go one by one, each in a cache it trims)."""
+    config = model.config
+    layer_types = getattr(config, "layer_types", None) or ()
+    able = (batch > 1 and draft_model is None and cache is None and bool(getattr(model, "batch_invariant", False))
+            and SLIDING not in layer_types and hasattr(model, "forward_slots")
+            and getattr(model, "_compiled_decode", None) is None)  # a compiled step is checked on plain columns
+    if not able:
+        return False
+    per_column = 2 * len(layer_types) * config.num_key_value_heads * config.head_dim  # keys and values
+    size = per_column * torch.empty((), dtype=model.dtype).element_size() * batch * capacity(width, max_new_tokens,
+                                                                                              max_draft)
+    return size <= MAX_SHARED_CACHE_BYTES
+
+
+def capacity(width: int, max_new_tokens: int, max_draft: int) -> int:
+    """Columns the shared cache needs: each pass takes at most 1 + max_draft of them and makes at least
+    one token for every row still going."""
+    return width + max_new_tokens * (1 + max_draft)
 
 
 def decode_together(model: Any, rows: Sequence[Any]) -> None:
@@ -36,11 +54,10 @@ def decode_together(model: Any, rows: Sequence[Any]) -> None:
     device = rows[0].ids.device
     batch, width = len(rows), rows[0].width
     max_new, max_draft = rows[0].max_new_tokens, rows[0].max_draft
-    # Each pass takes at most 1 + max_draft columns and makes at least one token per row still going.
-    capacity = width + max_new * (1 + max_draft)
-    cache = model.init_cache(batch, capacity)
-    slot_is_token = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # (B, C)
-    positions = torch.zeros(batch, capacity, dtype=torch.long, device=device)  # (B, C)
+    columns = capacity(width, max_new, max_draft)
+    cache = model.init_cache(batch, columns)
+    slot_is_token = torch.zeros(batch, columns, dtype=torch.bool, device=device)  # (B, C)
+    positions = torch.zeros(batch, columns, dtype=torch.long, device=device)  # (B, C)
     prompt_mask = torch.cat([row.slot_is_token[:, :width] for row in rows])  # (B, W)
     slot_is_token[:, :width] = prompt_mask
     positions[:, :width] = loop.positions_from_mask(prompt_mask)

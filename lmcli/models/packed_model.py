@@ -55,13 +55,13 @@ def _plain(value: Any) -> Any:
 def _unplain(value: Any) -> Any:
     from lmcli.models.kernels import PackLayout
 
+    if isinstance(value, _PLAIN):  # most settings: first, as a load reads about 2,000 of them
+        return value
     if isinstance(value, dict) and set(value) == {"dtype"}:
         return DTYPES[value["dtype"]]
     if isinstance(value, dict) and set(value) == {"layout"}:  # torch's, for the torch and CPU of the key
         block, rows = value["layout"]
         return PackLayout(int(block), tuple(int(r) for r in rows))
-    if isinstance(value, _PLAIN):
-        return value
     raise ValueError("an unknown kernel setting")
 
 
@@ -142,8 +142,7 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
         cls = classes[entry["class"]]
         kernel = cls.__new__(cls)
         nn.Module.__init__(kernel)
-        for name, value in entry["settings"].items():
-            setattr(kernel, _settable(cls, name), _unplain(value))
+        _set_plain(kernel, cls, entry["settings"])
         for name, ref in entry["buffers"].items():
             kernel.register_buffer(_settable(cls, name), tensor(ref), persistent=False)
         for name in entry["none"]:
@@ -166,8 +165,7 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
             cls = module_classes[entry["type"]]
             module = cls.__new__(cls)
             nn.Module.__init__(module)
-            for name, value in entry["settings"].items():
-                setattr(module, _settable(cls, name), _unplain(value))
+            _set_plain(module, cls, entry["settings"])
             module.kernel = kernels[entry["kernel"]]
             setattr(parent, leaf, module)
     keep = set(header["paths"])
@@ -198,6 +196,14 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
     model.eval()
 
 
+def _set_plain(module: nn.Module, cls: type, settings: dict[str, Any]) -> None:
+    """Set a freshly made module's recorded settings, each name checked by `_settable`. Their values
+    are plain (`_unplain`: never a tensor or module), so they go straight into the instance's
+    attributes, as nn.Module.__setattr__ would put them after its checks for tensors and modules."""
+    module.__dict__.update({_settable(cls, name): _unplain(value) for name, value in settings.items()})
+
+
+@functools.lru_cache(maxsize=256)  # one answer per class and name: a load asks about 2,000 times
 def _settable(cls: type, name: str) -> str:
     """`name`, if it may be set on a kernel: a public attribute that is not one of the class's methods
     or properties (a plain class default, like `name`, may be)."""
