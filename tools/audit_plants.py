@@ -212,7 +212,8 @@ PLANTS = [
     Plant("T5", "parallel", DI, "return lazy.read() if self.rank == 0 else torch.zeros(shape)", "return lazy.read()",
           "a row-parallel bias is added once per rank"),
     # --- jobs
-    Plant("J1", "jobs", JO, "if partial or len(kept) != len(lines):", "if partial:",
+    Plant("J1", "jobs", JO, "            dropped.append(number)  # failed rows are retried\n",
+          "            pass  # failed rows are retried\n",
           "--resume keeps failed rows in the file beside their retried rows (an id twice)"),
     Plant("J2", "jobs", JO, "        if key in finished:\n", "        if key in kept:\n",
           "an output with one id on two complete lines is resumed instead of refused"),
