@@ -342,8 +342,11 @@ def run_chat(load: Callable[[], tuple[Any, Any]], settings: GenerationSettings, 
     context = options.context
     if context is None and saved is not None and isinstance(saved.get("context"), int):
         context = min(saved["context"], model.config.max_position_embeddings)
+    from lmcli.generation.prefix_cache import prefix_cache_for
+
     session = ChatSession(model, tokenizer, settings, context=context, system=settings.system,
-                          messages=saved["messages"] if saved is not None else None)
+                          messages=saved["messages"] if saved is not None else None,
+                          prefix_cache=prefix_cache_for(model))  # where reusing blocks is exact
     repl = ChatRepl(session, options, model_info, interactive)
     if saved is not None:
         if saved.get("model", {}).get("fingerprint") != model_info["fingerprint"]:

@@ -9,7 +9,10 @@ prefix the cache already holds. A template renders earlier turns the same way ev
 new rendering extends the previous one and only the new turn is processed. Where it does not
 (a template that rewrites history, a reply whose text tokenises differently from the tokens that
 were sampled, /system, /undo), the common prefix is shorter and more is recomputed; the result is
-the same as a fresh run either way.
+the same as a fresh run either way. Where blocks of keys can be reused exactly (prefix_cache_for), the
+conversation's blocks are also kept in a prefix cache (generation/prefix_cache.py): a system message
+switched back, or another session of the process sharing that cache and starting the same way, takes
+them from there.
 
 Generating a turn is generation/rows.py's, what a setting may be is settings.py's.
 """
@@ -63,7 +66,7 @@ class ChatSession:
     """A conversation with one model, its messages and the KV cache that holds them."""
 
     def __init__(self, model, tokenizer, settings: GenerationSettings, *, context: int | None = None,
-                 system: str | None = None, messages: list[dict] | None = None):
+                 system: str | None = None, messages: list[dict] | None = None, prefix_cache: Any = None):
         if not getattr(tokenizer, "chat_template", None):
             raise TokenizerError("this checkpoint's tokenizer has no chat template, so it cannot chat;"
                                  " 'lmcli generate' completes plain text")
@@ -80,6 +83,10 @@ class ChatSession:
         self.hidden = 0  # leading non-system messages the model no longer sees (dropped to fit the context)
         self._cache = None
         self._cached_ids: list[int] = []  # the tokens whose keys/values the cache holds, in order
+        # generation/prefix_cache.PrefixCache, or None: the conversations' blocks kept beyond the one
+        # cache (a system message switched back, sessions of one process sharing it); give one only
+        # where prefix_cache_for(model) does, so a turn that reuses it is still exactly a fresh run
+        self.prefix_cache = prefix_cache
         self._stop_requested = False
         self._turns = 0
 
@@ -183,12 +190,14 @@ class ChatSession:
                     return torch.ones_like(ended)
                 return ended
 
-            nonlocal cached_after
+            nonlocal cached_after, reused
             speculator = getattr(self.model, "speculator", None)  # lmcli.speculation.SpeculatingModel
             with torch.inference_mode():
                 if self._cache is None:  # speculation trims rejected guesses: rings keep room for that
                     rollback = {"rollback": speculator.request.num_draft_tokens} if speculator else {}
                     self._cache = self.model.init_cache(1, self.context, **rollback)
+                if self.prefix_cache is not None and self.prefix_cache.longest(ids, self._cache) > reused:
+                    reused = self.prefix_cache.restore(ids, self._cache)  # only full layers' caches take it
                 if speculator is not None:
                     speculator.run(x, on_token=on_token_or_stop, ignore_output=True, cache=self._cache,
                                    cached=reused, **kwargs)
@@ -206,6 +215,8 @@ class ChatSession:
             self._cache = None  # what a failed run left in it is unknown (a ring may hold stray slots)
             raise
         self._cached_ids = (ids + result.tokens)[:cached_after]
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(self._cached_ids, self._cache, len(self._cached_ids))
         if stopped_early:
             result.finish_reason = "interrupted"
         dropped = hidden - self.hidden

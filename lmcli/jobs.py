@@ -47,7 +47,8 @@ Job semantics (this is what the README documents):
   model) becomes an output row with an `error` field; the job goes on and exits
   non-zero at the end.
 
-The output file and resume are here; reading the input is job_input.py's, generating the rows
+The output file and resume are here (reading an output line by line, job_output.py's); reading the
+input is job_input.py's, generating the rows
 generation/rows.py's, the settings settings.py's, the progress bar console.py's.
 """
 
@@ -74,11 +75,11 @@ from lmcli.generation.rows import (
     require_chat_template,
     truncation_warning,
 )
-from lmcli.io.atomic import write_atomically
 from lmcli.io.output_lock import close_output, holding_output_lock
 from lmcli.job_input import JobRow, JobRows, id_key
 from lmcli.job_input import read_rows as read_rows  # lmcli.distributed reads the input so
 from lmcli.job_input import unescape_line as unescape_line  # part of the job format, documented here
+from lmcli.job_output import kept_record, output_lines, rewrite_without
 from lmcli.settings import GenerationSettings, RowError
 
 # ----------------------------------------------------------------------------- output
@@ -178,34 +179,35 @@ def output_row_key(row: dict) -> tuple[str, bool, dict]:
 def read_finished(path: Path) -> dict[str, dict]:
     """Successful rows already in a job's output, by id; tidies the file for appending.
 
-    A partial last line (a hard kill mid-write) and rows that failed are
-    removed, by writing the rest to a temporary file and renaming it over the
-    output, so that a crash during the tidy-up loses nothing.
+    What is kept of each is lmcli's record of how it was made (its id, input_hash and model, the model
+    record shared by the rows that name the same one), not its text: resuming an output of a million
+    rows holds their ids and hashes (about 400 bytes a row, measured), never the rows. The file is read as a
+    stream. A partial last line (a hard kill mid-write) and rows that failed are removed, by copying
+    the rest to a temporary file renamed over the output, so that a crash during the tidy-up loses
+    nothing.
     """
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise LmcliError(f"cannot read {path}: {e.strerror or e}") from None
-    lines = data.split(b"\n")
-    partial = lines.pop()  # b"" when the file ends with a newline, as complete files do
-    kept: list[bytes] = []
     finished: dict[str, dict] = {}
-    for number, raw in enumerate(lines, start=1):
+    models: dict[str, Any] = {}  # one record per model named (rows of one job name the same)
+    dropped: list[int] = []  # line numbers of the failed rows and of a partial last line
+    for number, raw, complete in output_lines(path):
+        if not complete:
+            dropped.append(number)
+            continue
         try:
             row = json.loads(raw)
-            key, failed, _ = output_row_key(row)
+            key, failed, record = output_row_key(row)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise LmcliError(
                 f"{path}, line {number}: not a row written by lmcli; fix or remove that line, then --resume"
             ) from None
         if failed:
-            continue  # failed rows are retried
+            dropped.append(number)  # failed rows are retried
+            continue
         if key in finished:
             raise LmcliError(f"{path}, line {number}: id {key} appears twice; remove one, then --resume")
-        finished[key] = row
-        kept.append(raw)
-    if partial or len(kept) != len(lines):
-        write_atomically(path, b"".join(line + b"\n" for line in kept), durable=True)
+        finished[key] = kept_record(row, record, models)
+    if dropped:
+        rewrite_without(path, set(dropped))
     return finished
 
 

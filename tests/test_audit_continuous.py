@@ -1,7 +1,7 @@
 """Continuous batching, the prefix cache and the streamed job input at the edges the earlier tests did not
-reach (found by the planted-bug audit, docs/testing.md): the same prompt of whole blocks met twice, rows
-done at their first token, the batch occupancy --stats reports, a data-parallel share of a resumed
-job's rows, and a row or a batched step that fails.
+reach (found by the planted-bug audit, docs/testing.md): a prompt of whole blocks that begins a longer
+one seen before, rows done at their first token, the batch occupancy --stats reports, a data-parallel
+share of a resumed job's rows, and a row or a batched step that fails.
 
 References: `model.generate` on each row alone (called directly), the counts of steps and rows in
 flight written out from the rows' lengths, and the row ids the test wrote (which rows fail, where).
@@ -17,6 +17,7 @@ import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 
 import lmcli
+from lmcli.errors import UsageError
 from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.prefix_cache import PrefixCache
 from lmcli.generation.rows import prepare_row
@@ -53,23 +54,24 @@ def run_continuously(model, tokenizer, rows, batch_size: int, prefix_cache=None)
     return dict(done), run.stats
 
 
-def test_the_same_prompt_of_whole_blocks_twice(model_and_tokenizer):
-    """n samples of one prompt (a common job): the second row finds every block of its prompt cached and
-    must still compute its last token, whose logits choose its first new token."""
+def test_a_prompt_of_whole_blocks_after_a_longer_one_and_then_again(model_and_tokenizer):
+    """A prompt of whole blocks that begins a longer prompt seen before finds all its tokens cached but
+    no logits for its last one: it must compute that token. Met again (n samples of one question), it
+    reuses the whole prompt and its kept logits."""
     model, tokenizer = model_and_tokenizer
-    ids = tokenizer.encode("the same question, asked again and again")
     block = 4
+    ids = tokenizer.encode("the same question, asked again and again")
     ids = ids[: len(ids) // block * block]  # whole blocks only
+    longer = ids + tokenizer.encode(" and then some more")
     assert len(ids) >= 3 * block
     settings = GenerationSettings()
     rows = [prepare_row(tokenizer, i, "", settings.for_row({"temperature": t, "seed": 7 + i, "max_new_tokens": 4}),
-                        prompt_ids=ids) for i, t in enumerate([0, 0.9, 0.9, 0])]
-    prefix = PrefixCache(block=block)
-    got, stats = run_continuously(model, tokenizer, rows, 2, prefix)
+                        prompt_ids=prompt) for i, (t, prompt) in enumerate([(0, longer), (0, ids), (0.9, ids), (0.9, ids)])]
+    got, stats = run_continuously(model, tokenizer, rows, 2, PrefixCache(block=block))
     for row in rows:
         assert got[row.id] == alone(model, tokenizer, row), row.id
-    # Every row after the first reuses all of its prompt but the last block (one token left to compute).
-    assert stats.prefill_computed == len(ids) + (len(rows) - 1) * block
+    # The longer prompt computes all of it, the first of the others its last token, the rest nothing.
+    assert stats.prefill_computed == len(longer) + 1
 
 
 def test_rows_done_at_their_first_token_are_reported_once(model_and_tokenizer):
@@ -173,3 +175,12 @@ def test_a_row_that_fails_to_start_is_isolated_and_the_others_go_on(model_and_to
     assert isolated == [2]
     for row in (rows[0], rows[1], rows[3]):
         assert got[row.id] == alone(model, tokenizer, row), row.id
+
+
+def test_a_repeated_id_far_from_its_first_line_is_refused(tmp_path):
+    """Between the two lines of one id lie 2,999 others (some of them in any bucket of the digests)."""
+    path = tmp_path / "in.jsonl"
+    lines = [json.dumps({"id": f"r{i}", "prompt": f"p{i}"}) for i in range(3000)] + [json.dumps({"id": "r5", "prompt": "x"})]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(UsageError, match='input lines 6 and 3001 have the same id "r5"'):
+        JobRows(path, GenerationSettings())

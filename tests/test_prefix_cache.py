@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from test_continuous import alone, continuously, loaded, window_checkpoint  # noqa: F401 (fixtures)
 
 from lmcli.generation.prefix_cache import PrefixCache
@@ -113,3 +114,80 @@ def test_tails_and_logits_count_against_the_bound_and_are_evicted(loaded):
     cache_4, logits_4 = one_row_cache(model, a[:4])
     small.store(a[:4], cache_4, 4, logits_4)  # a tail alone, bigger than the bound: kept nowhere
     assert small.bytes == 0 and len(small) == 0 and small.logits(a[:4]) is None
+
+
+def fresh_reply(model, tokenizer, messages: list[dict], max_new_tokens: int) -> list[int]:
+    """`model.generate` over the whole rendered conversation, greedy: what a chat turn must give."""
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=tokenizer.eos_token_ids)
+    return out[0, len(ids):].tolist()
+
+
+def test_chat_reuses_kept_blocks_after_a_system_switch_and_in_a_new_session(loaded):
+    from lmcli.chat_session import ChatSession
+
+    model, tokenizer = loaded("llama")
+    settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=5, chat=True)
+    shared = PrefixCache(block=4)
+    system_a = "the first system message, long enough to fill a few blocks"
+    session = ChatSession(model, tokenizer, settings, context=256, system=system_a, prefix_cache=shared)
+
+    def turn(text):
+        before = [*session.messages, {"role": "user", "content": text}]
+        done = session.reply(text)
+        assert done.result.tokens == fresh_reply(model, tokenizer, before, 5), text
+        return done, tokenizer.encode_chat(before, add_generation_prompt=True), list(session._cached_ids)
+
+    first, ids1, kept1 = turn("hello there")
+    assert first.prefill_tokens == len(ids1)
+    session.set_system("another system message")
+    turn("and now?")
+    # Back to the first system message: its conversation is gone from the session's one cache (the
+    # second system message overwrote it) but its blocks are kept, to the token.
+    session.set_system(system_a)
+    third, ids3, _ = turn("back again")
+    assert common(ids3, kept1) > len(ids1) // 2
+    assert third.prefill_tokens == len(ids3) - common(ids3, kept1)
+    # A new session sharing the cache, with the same system message and first question: all but the
+    # last token of its prompt comes from the blocks kept.
+    other = ChatSession(model, tokenizer, settings, context=256, system=system_a, prefix_cache=shared)
+    again = other.reply("hello there")
+    assert again.result.tokens == first.result.tokens and again.prefill_tokens == 1
+
+
+def test_a_ring_cache_is_never_stored(loaded):
+    """A rolling layer keeps slot s at s % capacity: its keys are not a prefix's, so nothing is kept."""
+    model, tokenizer = loaded("window")
+    settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=4, chat=True)
+    from lmcli.chat_session import ChatSession
+
+    prefix = PrefixCache(block=4)
+    session = ChatSession(model, tokenizer, settings, context=128, system="a system message", prefix_cache=prefix)
+    session.reply("hello")
+    assert len(prefix) == 0 and prefix.bytes == 0
+
+
+@pytest.mark.full  # about 20 s on two idle cores (each row's reference prefilled alone)
+def test_real_default_model_repeated_and_overlapping_prompts(smollm2_gguf):
+    """The default model as a job loads it: one question asked greedy and with two seeds (the repeats
+    compute nothing), and questions that leave it after the shared system message."""
+    import lmcli
+    from lmcli.bench_job import SYSTEM
+    from lmcli.generation.prefix_cache import prefix_cache_for
+
+    model, tokenizer = lmcli.load(smollm2_gguf)
+    prefix = prefix_cache_for(model)
+    assert prefix is not None
+    settings = GenerationSettings(chat=True, system=SYSTEM)
+    questions = ["Name a colour.", "Name a colour.", "Name a color, please.", "Name a colour.", "Name two."]
+    rows = [prepare_row(tokenizer, i, question, settings.for_row({"temperature": [0, 0.8][i % 2], "seed": 9 + i,
+                                                                    "max_new_tokens": 4 + i}))
+            for i, question in enumerate(questions)]
+    got, stats = continuously(model, tokenizer, rows, 2, prefix)
+    for row in rows:
+        assert got[row.id] == alone(model, tokenizer, row), row.id
+    ids = [row.prompt_ids for row in rows]
+    expected = len(ids[0]) + sum(len(ids[i]) - min(len(ids[i]) - 1, max(common(ids[i], other) for other in ids[:i]))
+                                 for i in (2, 4))  # rows 1 and 3 repeat row 0: nothing computed
+    assert stats.prefill_computed == expected

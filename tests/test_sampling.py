@@ -58,6 +58,23 @@ def test_top_p_equals_transformers(p):
     assert torch.equal(TopP(p)(NO_TEXT, logits), TopPLogitsWarper(p)(None, logits))
 
 
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.9])
+def test_top_p_with_ties_at_its_cut_equals_transformers(p):
+    """Logits on a coarse grid tie by the hundreds, so the cut often falls among equal values: all of them
+    dropped (the mask lmcli builds from the sorted values) or some (then torch.sort's order decides, as in
+    transformers). Rows of a real vocabulary's width, and a bfloat16 row that takes torch.sort's road."""
+    generator = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 49152, generator=generator) * 4).round() / 2  # few distinct values: many ties
+    logits[1, :100] = float("-inf")  # what an earlier top-k leaves
+    logits[2, :40000] = -30.0  # a tied floor dropped whole, the cut among distinct values above it
+    logits[2, 40000:] = torch.randn(9152, generator=generator)
+    assert torch.equal(TopP(p)(NO_TEXT, logits), TopPLogitsWarper(p)(None, logits))
+    for row in logits:
+        assert torch.equal(TopP(p)(NO_TEXT, row[None]), TopPLogitsWarper(p)(None, row[None]))
+    half = logits[:2].bfloat16()
+    assert torch.equal(TopP(p)(NO_TEXT, half), TopPLogitsWarper(p)(None, half))
+
+
 @pytest.mark.parametrize("penalty", [0.5, 1.0, 1.3, 2.0])
 def test_repetition_penalty_equals_transformers(penalty):
     logits = random_logits(8)

@@ -212,7 +212,8 @@ PLANTS = [
     Plant("T5", "parallel", DI, "return lazy.read() if self.rank == 0 else torch.zeros(shape)", "return lazy.read()",
           "a row-parallel bias is added once per rank"),
     # --- jobs
-    Plant("J1", "jobs", JO, "if partial or len(kept) != len(lines):", "if partial:",
+    Plant("J1", "jobs", JO, "            dropped.append(number)  # failed rows are retried\n",
+          "            pass  # failed rows are retried\n",
           "--resume keeps failed rows in the file beside their retried rows (an id twice)"),
     Plant("J2", "jobs", JO, "        if key in finished:\n", "        if key in kept:\n",
           "an output with one id on two complete lines is resumed instead of refused"),
@@ -315,7 +316,8 @@ PLANTS += [
 
 # --- continuous batching, the prefix cache and the streamed job input (issue 22's second audit)
 CB, PX = "lmcli/generation/continuous.py", "lmcli/generation/prefix_cache.py"
-AREAS["continuous"] = ("tests/test_continuous.py", "tests/test_continuous_input.py", "tests/test_continuous_jobs.py")
+AREAS["continuous"] = ("tests/test_continuous.py", "tests/test_continuous_input.py", "tests/test_continuous_jobs.py",
+                       "tests/test_prefix_cache.py")
 PLANTS += [
     Plant("Q1", "continuous", CB, "[[column - live.start if live is not None else 0]",
           "[[column - live.start + 1 if live is not None else 0]",
@@ -323,12 +325,12 @@ PLANTS += [
     Plant("Q2", "continuous", CB, "batch.slot_is_token[place, start:batch.column] = True",
           "batch.slot_is_token[place, start + 1:batch.column] = True",
           "a row placed in the batch no longer attends to its prompt's first token: other text"),
-    Plant("Q3", "continuous", PX, "        while end < len(ids):\n", "        while end <= len(ids):\n",
-          "a prompt of whole blocks met a second time (the same prompt, another seed) leaves nothing to "
-          "compute: the job crashes"),
-    Plant("Q4", "continuous", PX, "self._blocks.popitem(last=False)", "self._blocks.popitem(last=True)",
+    Plant("Q3", "continuous", PX, "limit = len(ids) - (0 if whole else 1)", "limit = len(ids)",
+          "a prompt of whole blocks that begins a longer one seen before leaves nothing to compute (and has no "
+          "kept logits): the job crashes"),
+    Plant("Q4", "continuous", PX, "self._entries.popitem(last=False)", "self._entries.popitem(last=True)",
           "the prefix cache drops its most recently used block: the shared system prompt is recomputed"),
-    Plant("Q5", "continuous", PX, "while self.bytes + size > self.max_bytes:", "while self.bytes > self.max_bytes:",
+    Plant("Q5", "continuous", PX, "while self.bytes + entry.size > self.max_bytes:", "while self.bytes > self.max_bytes:",
           "the prefix cache grows one block past its memory bound"),
     Plant("Q6", "continuous", CB, "[row.seed] if policy.do_sample else None, 1, device)", "None, 1, device)",
           "a sampled row in a continuous job ignores its seed: other text than its single run, not reproducible"),
@@ -339,8 +341,8 @@ PLANTS += [
     Plant("Q9", "continuous", JI, "return JobRows(self.path, self.settings, self._keep, part)",
           "return JobRows(self.path, self.settings, None, part)",
           "a data-parallel rank's share of a resumed job forgets which rows are finished: they are written again"),
-    Plant("Q10", "continuous", JI, "itertools.pairwise(ordered) if a == b}", "itertools.pairwise(digests) if a == b}",
-          "two rows with one id on lines that are not next to each other are accepted (two output rows with one id)"),
+    Plant("Q10", "continuous", JI, "itertools.pairwise(ordered) if a == b)", "itertools.pairwise(bucket) if a == b)",
+          "in a large input, two rows with one id far apart are accepted (two output rows with one id)"),
 ]
 # Fresh plants in the samplers, settings and names modules (not tuned to the tests that exist).
 PLANTS += [

@@ -88,32 +88,47 @@ class PrefixCache:
         """Fill the one-row `cache` with the longest cached prefix of `ids` and return its length; it
         leaves at least one token to compute (whose logits choose the first new token) unless `whole`
         (the caller has the prompt's logits from `logits`)."""
-        limit = len(ids) - (0 if whole else 1)  # tokens it may fill
+        found = self._find(ids, cache, whole)
         device = cache.layers[0].keys.device
+        begin = 0
+        for key, length in found:
+            self._entries.move_to_end(key)
+            kv = [(keys[:, :length], values[:, :length]) for keys, values in self._entries[key].kv]
+            _place(cache, kv, torch.arange(begin, begin + length, device=device))
+            begin += length
+        return begin
+
+    def longest(self, ids: list[int], cache: ModelCache, whole: bool = False) -> int:
+        """What `restore` would fill, without filling it (nor counting it as a use)."""
+        return sum(length for _, length in self._find(ids, cache, whole))
+
+    def _find(self, ids: list[int], cache: ModelCache, whole: bool) -> list[tuple[tuple[str, tuple[int, ...]], int]]:
+        """The entries of the longest cached prefix of `ids`, in order, each with how many of its tokens count."""
+        limit = len(ids) - (0 if whole else 1)  # tokens it may fill
+        found: list[tuple[tuple[str, tuple[int, ...]], int]] = []
         reused = 0
         while reused + self.block <= limit:
             key = ("block", tuple(ids[:reused + self.block]))
             entry = self._entries.get(key)
             if entry is None or not _fits(entry.kv, cache):
                 break
-            self._entries.move_to_end(key)
-            _place(cache, entry.kv, torch.arange(reused, reused + self.block, device=device))
+            found.append((key, self.block))
             reused += self.block
         best, best_key = 0, None
         for child in self._children.get(tuple(ids[:reused]), ()):
-            entry = self._entries[child]
             shared = _common_length(child[1][reused:], ids[reused:limit])
-            if shared > best and _fits(entry.kv, cache):
+            if shared > best and _fits(self._entries[child].kv, cache):
                 best, best_key = shared, child
         if best_key is not None:
-            self._entries.move_to_end(best_key)
-            kv = [(keys[:, :best], values[:, :best]) for keys, values in self._entries[best_key].kv]
-            _place(cache, kv, torch.arange(reused, reused + best, device=device))
-        return reused + best
+            found.append((best_key, best))
+        return found
 
     def store(self, ids: list[int], cache: ModelCache, length: int, logits: torch.Tensor | None = None) -> None:
         """Keep the whole blocks of the first `length` tokens that are not kept yet; with the prompt's
-        last `logits` [1, V] (then `length` is all of `ids`), its tail too."""
+        last `logits` [1, V] (then `length` is all of `ids`), its tail too. Only a cache whose every layer
+        keeps every slot (KVCache, slot s at index s) is read; a ring's is not what its slots say."""
+        if not all(isinstance(layer, KVCache) for layer in cache.layers):
+            return
         for end in range(self.block, length + 1, self.block):
             key = ("block", tuple(ids[:end]))
             if key in self._entries:

@@ -84,13 +84,43 @@ class TopP:
         self.top_p = SETTINGS["top_p"].require(top_p)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.float64)
+                and not logits.requires_grad):
+            drop = self._drop_by_values(logits)
+            if drop is not None:
+                return logits.masked_fill(drop, float("-inf"))
         sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop the least likely tokens while what they add up to stays within 1 - p; keep the best one.
-        drop_sorted = cumulative <= 1 - self.top_p
-        drop_sorted[..., -1] = False
+        drop_sorted = self._drop_sorted(sorted_logits)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, float("-inf"))
+
+    def _drop_sorted(self, sorted_logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] ascending logits -> which of them to drop: the least likely tokens while what they add up
+        to stays within 1 - p (the softmax over the sorted row, as transformers sums it); never the best."""
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1 - self.top_p
+        drop_sorted[..., -1] = False
+        return drop_sorted
+
+    def _drop_by_values(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The same mask from the sorted values alone (numpy sorts a row of 49k floats about 4x faster than
+        torch.sort, which also builds the order): the dropped tokens are a prefix of the ascending order, so
+        they are those below the last dropped value, plus those equal to it when every tie is dropped too.
+        None when ties straddle the cut: which of them go then depends on torch.sort's order."""
+        import numpy as np
+
+        values = torch.from_numpy(np.sort(logits.detach().contiguous().numpy(), axis=-1))  # [B, V] ascending
+        dropped = self._drop_sorted(values).sum(dim=-1)  # [B]: how many of the least likely go
+        drop = torch.zeros_like(logits, dtype=torch.bool)
+        for row, count in enumerate(dropped.tolist()):
+            if count == 0:
+                continue
+            last = values[row, count - 1]
+            below, tied = logits[row] < last, logits[row] == last
+            if int(below.sum()) + int(tied.sum()) != count:
+                return None
+            drop[row] = below | tied
+        return drop
 
 
 class MinP:
