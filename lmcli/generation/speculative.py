@@ -12,7 +12,9 @@ argmax, plus its next token after it; sampling keeps or replaces each guess by t
 plain decoding would have it there, so greedy gives token for token `generate(..., do_sample=False)`.
 
 k adapts per row: it doubles (up to `num_draft_tokens`) after a guess is taken whole and falls to one
-more than what was taken after a miss, so text that gives nothing to look up costs almost nothing.
+more than what was taken after a miss; with prompt lookup, a guess rejected whole also rests the row's
+guessing for 1, then 3, 7 and at most 15 passes while the misses go on (a hit ends the rest), so text
+that gives nothing to look up, or looks up the wrong thing, costs almost nothing.
 
 A batch is decoded in shared passes where that is exact (speculative_batch.py: batch-invariant
 models, prompt lookup, no sliding window), else row by row; either way each row gets what it gets
@@ -43,6 +45,7 @@ from lmcli.generation.speculative_sampling import accept_or_resample, draw
 DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
 LONGEST_NGRAM = 3
 SHORTEST_NGRAM = 2  # single tokens recur too often by chance to be worth a guess
+MAX_PAUSE = 15  # prompt lookup's longest rest after guesses wholly rejected: text that copies nothing costs little
 
 
 def check_num_draft_tokens(value: Any) -> int:
@@ -237,6 +240,7 @@ class _Row:
                                    self.model.config.vocab_size) if draft_model is not None else None
         self.lookup = NgramLookup(self.tokens)
         self.length, self.k, self.done = self.width, self.max_draft, False
+        self.misses = self.pause = 0  # prompt lookup's guesses wholly rejected in a row; passes left unguessed
 
     def first(self, logits: torch.Tensor) -> bool:
         """The first new token from the prompt's last logits [V]; True when the row ends with it."""
@@ -254,6 +258,9 @@ class _Row:
         room = self.max_new_tokens - len(self.new_tokens)  # the model's own token takes one
         want = min(self.k, room - 1)
         dists: list[torch.Tensor] | None = None
+        if want > 0 and self.draft is None and self.pause:
+            self.pause -= 1  # a guess costs a wider pass (about 1.7x a one-token pass at batch 1 here)
+            want = 0
         if want <= 0:
             guess: list[int] = []
         elif self.draft is not None:
@@ -287,6 +294,8 @@ class _Row:
             self.draft.keep()
         if guess:
             self.k = min(self.max_draft, 2 * self.k) if taken == len(guess) else taken + 1
+            self.misses = self.misses + 1 if taken == 0 else 0
+            self.pause = min(2 ** self.misses - 1, MAX_PAUSE)  # 1, 3, 7, 15 passes after each whole miss
         self.done = stop or len(self.new_tokens) >= self.max_new_tokens
         if self.done:
             self._finish()
