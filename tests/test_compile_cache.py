@@ -80,6 +80,7 @@ def _eager_and_step_logits(model, ids, mask, n):
     return tokens, pairs
 
 
+@pytest.mark.full  # an AOTInductor build of the tiny model: 30 s with warm inductor caches, 70-95 s cold
 def test_the_compiled_step_decodes_as_eager_and_a_later_process_loads_it(tiny_int4, cache, capfd):
     model = tiny_int4
     assert model.batch_invariant and model.dtype == torch.bfloat16
