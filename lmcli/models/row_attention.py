@@ -15,6 +15,8 @@ README's "Batch-invariant numerics").
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -80,6 +82,29 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list
                   softcap: float | None, rep: int) -> torch.Tensor:
     """q (B, nkv, rep * T, hd) (the query heads sharing a kv head as rows), k and v (B, nkv, S, hd)
     -> (B, nkv, rep * T, hd), each query attending to its planned keys only."""
+    with _one_thread(q.device):
+        return _attend_by_row(q, k, v, calls, scale, softcap, rep)
+
+
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """torch's CPU attention kernel rounds a call differently with the number of threads sharing its
+    heads (measured: a decode call of 3 kv heads on 2 threads parts from the same call on 1, 3 or 4), and
+    lmcli's thread count follows the load; so each row's calls run on one thread, and a row's numbers do
+    not depend on the load (a toggle costs well under a microsecond; the calls are small)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[RowCall], scale: float,
+                   softcap: float | None, rep: int) -> torch.Tensor:
     B, nkv, rows, hd = q.shape
     T = rows // rep
     by_query = q.view(B, nkv, rep, T, hd)
