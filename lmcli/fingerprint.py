@@ -5,6 +5,7 @@ everywhere. Reads only the checkpoint's own files."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 SAMPLED_CHUNKS = 16  # pieces of each weights file hashed, spread evenly over it
@@ -63,3 +64,15 @@ def checkpoint_fingerprint(path: str | Path, tokenizer_path: str | Path | None =
             if file.is_file():
                 add("tokenizer:" + file.name, file)
     return "sha256:" + digest.hexdigest()[:24]
+
+
+def source_digest(patterns: Iterable[str]) -> str:
+    """A digest of lmcli's own source files matching `patterns` (globs relative to the package, e.g.
+    "models/*.py"), names and contents: a cache entry built by other code is stale."""
+    import hashlib
+
+    package = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for source in sorted({path for pattern in patterns for path in package.glob(pattern)}):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:20]

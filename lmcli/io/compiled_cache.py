@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcli.errors import first_line
+from lmcli.fingerprint import source_digest
 
 if TYPE_CHECKING:
     from torch import nn
@@ -53,13 +54,7 @@ def root() -> Path:
 
 def code_version() -> str:
     """lmcli's sources that decide what the compiled program computes: a program built from other code is stale."""
-    package = Path(__file__).resolve().parents[1]
-    sources = sorted([*(package / "models").glob("*.py"), *(package / "quant").glob("*.py"),
-                      package / "config.py", Path(__file__).resolve()])
-    digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    return digest.hexdigest()[:20]
+    return source_digest(("models/*.py", "quant/*.py", "config.py", "io/compiled_cache.py"))
 
 
 def model_fingerprint(model: nn.Module) -> str:

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lmcli.errors import first_line
+from lmcli.fingerprint import source_digest
 from lmcli.models.packed_model import DTYPES, Damaged, apply, describe
 
 if TYPE_CHECKING:
@@ -56,13 +57,7 @@ def enabled() -> bool:
 def _code_version() -> str:
     """lmcli's own sources that decide what a load builds (readers, kernels, models, quantization):
     an entry written by other code is stale."""
-    package = Path(__file__).resolve().parents[1]
-    sources = sorted([*(package / "io").glob("gguf*.py"), *(package / "models").glob("*.py"),
-                      *(package / "quant").glob("*.py"), package / "loading.py", Path(__file__).resolve()])
-    digest = hashlib.sha256()
-    for source in sources:
-        digest.update(source.name.encode() + b"\0" + source.read_bytes())
-    return digest.hexdigest()[:20]
+    return source_digest(("io/gguf*.py", "models/*.py", "quant/*.py", "loading.py", "io/packed_cache.py"))
 
 
 def cache_key(gguf_path: Path, dtype: str | torch.dtype | None, fingerprint: str) -> dict[str, Any]:
