@@ -113,8 +113,7 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
         raise UsageError(f"{target}: exists and is not an empty directory; choose a new output directory")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_partials(target)
-        work = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
+        work = make_staging_directory(target)
     except OSError as exc:
         raise LmcliError(f"{target}: cannot create the output directory ({exc.strerror or exc})") from None
     try:
