@@ -89,14 +89,18 @@ class PrefixCache:
         leaves at least one token to compute (whose logits choose the first new token) unless `whole`
         (the caller has the prompt's logits from `logits`)."""
         found = self._find(ids, cache, whole)
-        device = cache.layers[0].keys.device
-        begin = 0
+        if not found:
+            return 0
+        parts: list[KV] = []  # each entry's keys and values that count, in order (slots 0, 1, ...)
         for key, length in found:
             self._entries.move_to_end(key)
-            kv = [(keys[:, :length], values[:, :length]) for keys, values in self._entries[key].kv]
-            _place(cache, kv, torch.arange(begin, begin + length, device=device))
-            begin += length
-        return begin
+            parts.append([(keys[:, :length], values[:, :length]) for keys, values in self._entries[key].kv])
+        # One write per layer of the entries joined (a prompt's blocks one by one cost a write per block and layer).
+        joined = [(torch.cat([part[layer][0] for part in parts], dim=1), torch.cat([part[layer][1] for part in parts], dim=1))
+                  for layer in range(len(cache.layers))]
+        length = joined[0][0].shape[1]
+        _place(cache, joined, torch.arange(length, device=cache.layers[0].keys.device))
+        return length
 
     def longest(self, ids: list[int], cache: ModelCache, whole: bool = False) -> int:
         """What `restore` would fill, without filling it (nor counting it as a use)."""
