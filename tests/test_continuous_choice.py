@@ -26,15 +26,21 @@ def chain_for(temperature: float, top_p: float | None):
 
 
 def test_plain_rows_choose_together_what_each_chooses_alone(monkeypatch):
-    fallbacks = []
+    fallbacks: list[int] = []
     own_call = TopP.__call__
-    monkeypatch.setattr(TopP, "__call__", lambda self, ids, logits: fallbacks.append(1) or own_call(self, ids, logits))
+
+    def counted(self, ids, logits):
+        fallbacks.append(1)
+        return own_call(self, ids, logits)
+
+    monkeypatch.setattr(TopP, "__call__", counted)
     plains, alone = {}, []
     for place, (temperature, top_p, seed) in enumerate(ROWS):
         do_sample, chain = chain_for(temperature, top_p)
-        _, plains[place] = row_sampler(do_sample, chain, seed, CPU)
+        plain = row_sampler(do_sample, chain, seed, CPU)[1]
+        assert plain is not None
+        plains[place] = plain
         alone.append((chain, make_sampler(do_sample, [seed] if do_sample else None, 1, CPU)))  # its own stream
-    assert all(plain is not None for plain in plains.values())
     torch.manual_seed(0)
     top_p_steps = batched_fallbacks = 0
     for step in range(12):
