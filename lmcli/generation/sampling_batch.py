@@ -8,7 +8,7 @@ the top-p rows and one softmax and cumulative sum over them, then `sample` over 
 each row's own generator (one draw per row, as alone). On torch's CPU kernels an argmax, softmax,
 cumulative sum or search along a row computes that row the same way whatever other rows the call
 holds, and a sort's values do not depend on its order among ties; where ties straddle a row's top-p
-cut (which of them go then depends on torch.sort's order) that row's own TopP decides, as alone.
+cut (which of them go then depends on torch.sort's order) torch.sort's order decides, as in TopP.
 A row with anything else (penalties, min-p, a constraint, ...) is not plain: it chooses alone.
 """
 
@@ -79,7 +79,7 @@ def choose_plain(logits: torch.Tensor, rows: Mapping[int, PlainChoice]) -> dict[
 def _top_p_drop(logits: torch.Tensor, cuts: list[TopP]) -> torch.Tensor:
     """Which tokens each row's TopP drops, logits [k, V] -> [k, V] bool: TopP._drop_by_values for all rows
     at once, each row with its own p (its float32 rounding, as TopP compares), and where ties straddle
-    a row's cut, that row's own TopP."""
+    a row's cut, torch.sort's order, as TopP's own fallback."""
     values = torch.from_numpy(np.sort(logits.contiguous().numpy(), axis=-1))  # (k, V) ascending
     keep = torch.tensor([1 - cut.top_p for cut in cuts], dtype=torch.float32)[:, None]  # (k, 1)
     dropped_sorted = values.softmax(dim=-1).cumsum(dim=-1) <= keep
@@ -90,8 +90,10 @@ def _top_p_drop(logits: torch.Tensor, cuts: list[TopP]) -> torch.Tensor:
             continue
         last = values[row, count - 1]
         if int(np.searchsorted(values[row].numpy(), last.item(), side="right")) != count:
-            # ties at the cut: which of them go is torch.sort's order, which the row's TopP follows
-            drop[row] = torch.isneginf(cuts[row](logits[:0], logits[row:row + 1].clone())[0])
+            # Ties at the cut: which of them go is torch.sort's order, as TopP then takes it (torch.sort's
+            # values are these values, so its mask in sorted order is this row's).
+            order = torch.sort(logits[row:row + 1], dim=-1).indices[0]
+            drop[row] = dropped_sorted[row].scatter(-1, order, dropped_sorted[row])
             continue
         drop[row] = logits[row] <= last
     return drop
