@@ -112,15 +112,19 @@ def _top_p_drop(logits: torch.Tensor, cuts: list[TopP], values: torch.Tensor | N
     dropped_sorted = values.softmax(dim=-1).cumsum(dim=-1) <= keep
     dropped_sorted[:, -1] = False  # never the best
     drop = torch.zeros_like(logits, dtype=torch.bool)
+    tied = []
     for row, count in enumerate(dropped_sorted.sum(dim=-1).tolist()):
         if count == 0:
             continue
         last = values[row, count - 1]
         if int(np.searchsorted(values[row].numpy(), last.item(), side="right")) != count:
-            # Ties at the cut: which of them go is torch.sort's order, as TopP then takes it (torch.sort's
-            # values are these values, so its mask in sorted order is this row's).
-            order = torch.sort(logits[row:row + 1], dim=-1).indices[0]
-            drop[row] = dropped_sorted[row].scatter(-1, order, dropped_sorted[row])
+            tied.append(row)
             continue
         drop[row] = logits[row] <= last
+    if tied:
+        # Ties at the cut: which of them go is torch.sort's order, as TopP then takes it (its values are
+        # these values, so its mask in sorted order is this row's). One call sorts each row by itself,
+        # as alone, the rows spread over torch's threads.
+        order = torch.sort(logits[tied], dim=-1).indices  # (t, V)
+        drop[tied] = dropped_sorted[tied].scatter(-1, order, dropped_sorted[tied])
     return drop
