@@ -10,7 +10,8 @@ and it decodes with the others from the next step. On the batch-invariant path (
 attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
 any row count) a row's keys, logits and tokens are then those of its single run, whatever column it
 started at and whoever its neighbours are; each row chooses its tokens with its own processors and
-its own random stream, as `generate_batch` would for that row alone.
+its own random stream, as `generate_batch` would for that row alone (the plain rows, greedy or with a
+temperature and top-p at most, in one pass for the step: sampling_batch.py).
 
 Columns only move forward: when the batch's next column reaches `capacity`, every row's columns move
 left by the start of the oldest row in flight (ModelCache.shift), so `capacity` need only be the
