@@ -5,12 +5,11 @@ whose ties often straddle a top-p cut."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from lmcli.generation import sampling_batch
-from lmcli.generation.sampling import SamplingSettings, Temperature, TopP, make_processor_chain, make_sampler
+from lmcli.generation.sampling import SamplingSettings, TopP, make_processor_chain, make_sampler
 from lmcli.generation.sampling_batch import choose_plain, row_sampler
 
 CPU = torch.device("cpu")
@@ -98,25 +97,3 @@ def test_top_p_cut_exactly_on_a_cumulative_probability():
     expected = torch.isneginf(cut(logits[:0], logits)[0])
     assert int(expected.sum()) == index + 1  # the token at the cut is dropped: <=, not <
     assert torch.equal(sampling_batch._top_p_drop(logits, [cut])[0], expected)
-
-
-@pytest.mark.parametrize("kind", ["bfloat16", "bfloat16 with -inf, zeros of both signs, +inf", "float32", "NaN"])
-def test_sorted_scores_are_np_sorts(kind):
-    """A row's scores sorted from its raw logits' bfloat16 values and its temperatures are np.sort's of the
-    scores, for every temperature path (a tiny one overflows and is taken in float64); other raw logits
-    are sorted as they are."""
-    torch.manual_seed(3)
-    raw = torch.randn(20000) * 4
-    if kind != "float32":
-        raw = raw.bfloat16().float()
-    if "-inf" in kind:
-        raw[::7], raw[:50], raw[50:100], raw[5] = float("-inf"), 0.0, -0.0, float("inf")
-    if kind == "NaN":
-        raw[3] = float("nan")
-    for temperatures in ([], [Temperature(1.0), Temperature(0.7)], [Temperature(1.3)], [Temperature(1e-30)]):
-        scores = raw[None]
-        for temperature in temperatures:
-            scores = temperature(scores[:, :0], scores)
-        got = sampling_batch._sorted_scores(raw, scores[0], temperatures)
-        # NaN where np.sort has it (last: the raw NaN, or +inf less +inf on the float64 path), else equal
-        assert torch.allclose(got, torch.from_numpy(np.sort(scores[0].numpy())), rtol=0, atol=0, equal_nan=True)

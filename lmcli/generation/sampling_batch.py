@@ -69,45 +69,18 @@ def choose_plain(logits: torch.Tensor, rows: Mapping[int, PlainChoice]) -> dict[
     scores = torch.cat(scaled)  # (k, V)
     cut = [i for i, b in enumerate(sampled) if rows[b].top_p is not None]
     if cut:
-        values = torch.stack([_sorted_scores(logits[sampled[i]], scores[i], rows[sampled[i]].temperatures)
-                              for i in cut])  # (c, V) ascending
-        drop = _top_p_drop(scores[cut], [rows[sampled[i]].top_p for i in cut], values)  # type: ignore[misc]
+        drop = _top_p_drop(scores[cut], [rows[sampled[i]].top_p for i in cut])  # type: ignore[misc]
         scores[cut] = scores[cut].masked_fill(drop, float("-inf"))
     generators = [rows[b].generators[0] for b in sampled]  # type: ignore[index]
     tokens.update(zip(sampled, sample(scores, generators).tolist()))
     return tokens
 
 
-def _sorted_scores(raw: torch.Tensor, scores: torch.Tensor, temperatures: Sequence[Temperature]) -> torch.Tensor:
-    """A row's scores [V] (its raw logits [V] after its temperatures) in ascending order, as np.sort gives them.
-
-    A model's bfloat16 logits take at most 65,536 values (about 2,400 measured on the default model's
-    49,152), so a count of each bfloat16 value sorts the raw logits in one pass; a temperature is a
-    division of each value by itself, which keeps the order (x <= y gives x / t <= y / t, rounded), so
-    the row's own temperatures applied to the sorted raw logits give its scores sorted. Any other raw
-    logits (not bfloat16 values, or NaN, which np.sort puts last) are sorted as they are."""
-    bits = raw.contiguous().numpy().view(np.uint32)
-    if not (bits & 0xFFFF).any():
-        high = (bits >> 16).astype(np.uint16)  # the bfloat16 patterns
-        key = high ^ ((high >> 15) * np.uint16(0x7FFF) | np.uint16(0x8000))  # ascending as the values: negatives reversed
-        counts = np.bincount(key, minlength=1 << 16)
-        if not (counts[:0x7F].any() or counts[0xFF81:].any()):  # NaN keys lie beyond -inf and +inf
-            present = np.flatnonzero(counts)
-            patterns = (present ^ (0xFFFF - (present >> 15) * 0x7FFF)).astype(np.uint32) << 16  # key back to bits
-            ordered = torch.from_numpy(np.repeat(patterns.view(np.float32), counts[present]))[None]  # (1, V)
-            empty = ordered[:, :0]
-            for temperature in temperatures:
-                ordered = temperature(empty, ordered)
-            return ordered[0]
-    return torch.from_numpy(np.sort(scores.contiguous().numpy()))
-
-
-def _top_p_drop(logits: torch.Tensor, cuts: list[TopP], values: torch.Tensor | None = None) -> torch.Tensor:
+def _top_p_drop(logits: torch.Tensor, cuts: list[TopP]) -> torch.Tensor:
     """Which tokens each row's TopP drops, logits [k, V] -> [k, V] bool: TopP._drop_by_values for all rows
     at once, each row with its own p (its float32 rounding, as TopP compares), and where ties straddle
-    a row's cut, torch.sort's order, as TopP's own fallback. `values`: the logits sorted, if known."""
-    if values is None:
-        values = torch.from_numpy(np.sort(logits.contiguous().numpy(), axis=-1))  # (k, V) ascending
+    a row's cut, torch.sort's order, as TopP's own fallback."""
+    values = torch.from_numpy(np.sort(logits.contiguous().numpy(), axis=-1))  # (k, V) ascending
     keep = torch.tensor([1 - cut.top_p for cut in cuts], dtype=torch.float32)[:, None]  # (k, 1)
     dropped_sorted = values.softmax(dim=-1).cumsum(dim=-1) <= keep
     dropped_sorted[:, -1] = False  # never the best
