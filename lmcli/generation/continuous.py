@@ -10,8 +10,7 @@ and it decodes with the others from the next step. On the batch-invariant path (
 attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
 any row count) a row's keys, logits and tokens are then those of its single run, whatever column it
 started at and whoever its neighbours are; each row chooses its tokens with its own processors and
-its own random stream, as `generate_batch` would for that row alone (the plain rows, greedy or with a
-temperature and top-p at most, in one pass for the step: sampling_batch.py).
+its own random stream, as `generate_batch` would for that row alone.
 
 Columns only move forward: when the batch's next column reaches `capacity`, every row's columns move
 left by the start of the oldest row in flight (ModelCache.shift), so `capacity` need only be the
@@ -41,8 +40,7 @@ from lmcli.generation.rows import (
     new_result,
     take_token,
 )
-from lmcli.generation.sampling import ProcessorChain, make_processor_chain
-from lmcli.generation.sampling_batch import PlainChoice, choose_plain, row_sampler
+from lmcli.generation.sampling import ProcessorChain, make_processor_chain, make_sampler
 from lmcli.models.cache import KVCache, ModelCache
 
 SCHEDULER_ENV = "LMCLI_JOB_SCHEDULER"  # "continuous" or "batches": overrides use_continuous's choice
@@ -100,7 +98,6 @@ class _Row:
     start: int = 0  # the batch column of its first token
     step: int = 0
     prompt_cache: ModelCache | None = None  # its prefilled prompt, until placed in the batch
-    plain: PlainChoice | None = None  # how it chooses with the other plain rows (sampling_batch.py)
 
 
 @dataclass
@@ -221,24 +218,22 @@ class ContinuousRun:
             self.prefix_cache.store(ids, one, n, logits)
         policy = batch_policy(model, self.tokenizer, [row], n)
         chain = make_processor_chain(policy.do_sample, 1.0, None, None, policy.processors)
-        choose, plain = row_sampler(policy.do_sample, chain, row.seed, device)
+        choose = make_sampler(policy.do_sample, [row.seed] if policy.do_sample else None, 1, device)
         text = torch.empty(n + row.settings.max_new_tokens, dtype=torch.long, device=device)
         text[:n] = x[0]
         result = new_result(self.tokenizer, row, _now())
-        return _Row(result, policy, chain, choose, text, n, prompt_cache=one, plain=plain), logits
+        return _Row(result, policy, chain, choose, text, n, prompt_cache=one), logits
 
-    def _choose(self, live: _Row, logits: torch.Tensor, value: int | None = None) -> bool:
-        """The row's next token from its logits [1, V], as its single run chooses it (or `value`, chosen
-        so with the other plain rows); True when it ends."""
-        if value is None:
-            context = live.text[None, :live.length] if live.chain.needs_history else live.text[None, :0]
-            value = int(live.choose(live.chain(context, logits)))
+    def _choose(self, live: _Row, logits: torch.Tensor) -> bool:
+        """The row's next token from its logits [1, V], as its single run chooses it; True when it ends."""
+        context = live.text[None, :live.length] if live.chain.needs_history else live.text[None, :0]
+        token = live.choose(live.chain(context, logits))  # (1,)
         result = live.result
         if result.logprobs is not None and result.row.settings.logprobs is not None:
-            token = torch.tensor([value], device=logits.device)
             event = TokenEvent(live.step, token, torch.zeros(1, dtype=torch.bool), torch.ones(1), logits)
             result.logprobs.append(logprob_steps(self.tokenizer, event, result.row.settings.logprobs)(0))
         live.step += 1
+        value = int(token)
         live.text[live.length] = value
         live.length += 1
         reason = take_token(result, value, live.policy.stop_at_eos, None)
@@ -329,12 +324,10 @@ class ContinuousRun:
         batch.column += 1
         self.stats.steps += 1
         self.stats.busy += sum(busy)
-        chosen = choose_plain(logits, {place: live.plain for place, live in enumerate(batch.rows)
-                                       if live is not None and live.plain is not None})
         for place, live in enumerate(batch.rows):
             if live is None:
                 continue
-            if self._choose(live, logits[place:place + 1], chosen.get(place)):
+            if self._choose(live, logits[place:place + 1]):
                 batch.rows[place] = None
             else:
                 batch.feed[place] = int(live.text[live.length - 1])
