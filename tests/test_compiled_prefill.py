@@ -202,3 +202,21 @@ def test_the_compiled_prefill_agrees_with_eager_and_generates_the_same_greedy_to
         torch.testing.assert_close(v.float(), v_want.float(), rtol=2**-7, atol=2**-7 * float(v_want.abs().max()))
     assert torch.equal(model.generate(ids[None], 8, False), eager_tokens)
     assert model._compiled_prefill.runner is not None and not model._compiled_prefill.failed
+
+
+def test_the_bench_section_reports_the_ratio_of_the_medians():
+    from rich.console import Console
+
+    from lmcli import bench_prefill
+    from lmcli.bench_sections import SECTIONS
+
+    assert SECTIONS["prefill"] == "lmcli.bench_prefill"
+    console = Console(record=True, width=200)
+    result = {"build_s": 61.0, "used": True, "eager_s": [2.0, 4.0, 3.0], "compiled_s": [1.0, 2.0, 9.0],
+              "max_difference": 0.1, "largest_logit": 10.0, "same_token": True, "threads": 2, "tokens": 256,
+              "rounds": 3, "load_average": 1.0, "cpus": 2}
+    bench_prefill.report(result, console)
+    text = console.export_text()
+    assert "85.3 tok/s" in text and "128.0 tok/s" in text and "1.50x" in text and "61.0 s" in text  # 256/3, 256/2
+    bench_prefill.report({"error": "no compiler", "tokens": 256, "rounds": 1, "load_average": 1.0, "cpus": 2}, console)
+    assert "no compiler" in console.export_text()
