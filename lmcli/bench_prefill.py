@@ -1,4 +1,5 @@
-"""`lmcli bench --sections prefill`: the compiled prefill chunks against eager prefill, at batch 1.
+"""`lmcli bench --sections prefill`: the compiled prefill chunks against eager prefill, at batch 1
+(installed here whether or not `compile_decode` would install them on this CPU: see compiled_prefill.pays_here).
 
 One child process on a scratch lmcli cache loads the model and prefills a random prompt of
 `prefill_tokens` tokens (`generate(..., max_new_tokens=1)`: the time to the first token):
@@ -39,17 +40,17 @@ def last_logits():
                                    last_only=True)[0, -1].float()
 prefill()  # first calls map pages and warm the kernels
 eager_logits = last_logits()
-model.compile_decode()
-program = model._compiled_prefill
-build = prefill() if program is not None else None
+from lmcli.models.compiled_prefill import CachedPrefill
+program = model._compiled_prefill = CachedPrefill(model)  # installed here even where compile_decode would not
+build = prefill()
 compiled_logits = last_logits()
 times = {"eager": [], "compiled": []}
 for _ in range(rounds):
     for name in times:
         model._compiled_prefill = program if name == "compiled" else None
         times[name].append(prefill())
-used = program is not None and program.runner is not None and not program.failed
-print(json.dumps({"build_s": build, "used": used, "eager_s": times["eager"], "compiled_s": times["compiled"],
+used = program.runner is not None and not program.failed
+print(json.dumps({"build_s": build, "used": used, "autotune": program.autotune, "eager_s": times["eager"], "compiled_s": times["compiled"],
                   "max_difference": float((compiled_logits - eager_logits).abs().max()),
                   "largest_logit": float(eager_logits.abs().max()),
                   "same_token": bool(compiled_logits.argmax() == eager_logits.argmax()),
@@ -86,9 +87,10 @@ def report(result: dict[str, Any], console: Any) -> None:
         return
     tokens = result["tokens"]
     build = result["build_s"]
-    table.add_row("build (the first compiled prefill: export, compile, then the prefill)",
-                  "none: prefill stays eager here" if build is None else f"{build:.1f} s")
+    table.add_row("build (the first compiled prefill: export, compile, then the prefill)", f"{build:.1f} s")
     table.add_row("compiled program used", "yes" if result["used"] else "NO (eager)")
+    table.add_row("int4 kernels chosen by inductor's autotuner (AMX here)", "yes" if result.get("autotune") else
+                  "no: the eager kernel")
     rates = {name: tokens / statistics.median(result[f"{name}_s"]) for name in ("eager", "compiled")}
     for name, rate in rates.items():
         table.add_row(f"prefill, {name}", f"{rate:.1f} tok/s")

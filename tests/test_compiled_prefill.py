@@ -98,6 +98,16 @@ def test_what_the_program_does_not_take_runs_eagerly(tiny_int4):
     assert not prefill.takes(rows[:1], torch.arange(CHUNK + 3), padded, model.init_cache(1, 40))  # a pad query
 
 
+def test_compile_decode_installs_the_prefill_program_only_where_it_can_pay(tiny_int4, monkeypatch):
+    model = tiny_int4
+    monkeypatch.setattr(compiled_prefill, "pays_here", lambda: False)  # this CPU's case: no AMX
+    assert model.compile_decode() and model._compiled_prefill is None
+    monkeypatch.setattr(compiled_prefill, "pays_here", lambda: True)
+    assert model.compile_decode()
+    installed = model._compiled_prefill
+    assert isinstance(installed, compiled_prefill.CachedPrefill) and installed.autotune
+
+
 def test_the_chunk_plan_masks_what_a_query_may_not_see():
     slot_is_token = torch.ones(1, 50, dtype=torch.bool)
     index, mask = compiled_prefill.chunk_plan(slot_is_token, torch.arange(30, 34), 34, torch.bfloat16)
@@ -112,7 +122,7 @@ def test_the_chunk_plan_masks_what_a_query_may_not_see():
 
 
 def _fake_build(calls, content=b"program"):
-    def build(model, path):
+    def build(model, path, autotune):
         calls.append(path)
         path.write_bytes(content)
     return build
@@ -130,6 +140,7 @@ def test_the_program_is_built_once_then_loaded_and_a_damaged_entry_is_rebuilt(ti
         return lambda *args: step(*args)
 
     monkeypatch.setattr(compiled_step, "_load", load)
+    monkeypatch.setattr(compiled_prefill, "pays_here", lambda: True)  # as on a CPU with AMX
     (ids,) = prompts([2 * CHUNK + 3])
     want, _ = _prefill(model, ids[None], chunk=CHUNK)
     assert model.compile_decode() and isinstance(model._compiled_prefill, compiled_prefill.CachedPrefill)
@@ -141,8 +152,8 @@ def test_the_program_is_built_once_then_loaded_and_a_damaged_entry_is_rebuilt(ti
     (entry, _), = compiled_cache.entries()
     assert f"-prefill{CHUNK}-b1-" in entry.name
     # Its key is the decode step's and what makes it a prefill program: never the decode step's entry.
-    key = compiled_prefill.cache_key(model)
-    assert key == {**compiled_cache.cache_key(model, 1), "program": "prefill", "chunk": CHUNK}
+    key = compiled_prefill.cache_key(model, True)
+    assert key == {**compiled_cache.cache_key(model, 1), "program": "prefill", "chunk": CHUNK, "autotune": True}
     assert compiled_cache.entry_path(f"llama-32x2-prefill{CHUNK}", key) == entry
     # A later process (a new CachedPrefill): loaded, not built.
     assert model.compile_decode()
@@ -163,6 +174,7 @@ def test_a_failing_build_prefills_eagerly_with_one_warning(tiny_int4, cache, mon
         raise RuntimeError("C++ compile error: no working compiler\nmore")
 
     monkeypatch.setattr(compiled_prefill, "build", failing)
+    monkeypatch.setattr(compiled_prefill, "pays_here", lambda: True)
     (ids,) = prompts([2 * CHUNK])
     want, want_cache = _prefill(model, ids[None])
     assert model.compile_decode()
@@ -182,16 +194,16 @@ def test_a_failing_build_prefills_eagerly_with_one_warning(tiny_int4, cache, mon
 
 
 @pytest.mark.full
-def test_the_compiled_prefill_agrees_with_eager_and_generates_the_same_greedy_tokens(tiny_int4, cache, capfd):
-    """The program's logits within 2^-6 of the largest eager logit (the decode step's tolerance: inductor
-    fuses the norms and rotary, rounding where eager does with emulate_precision_casts), the same cache
-    within bfloat16 rounding, and the same greedy tokens."""
+@pytest.mark.parametrize("autotune", [False, True])
+def test_the_compiled_prefill_agrees_with_eager_and_generates_the_same_greedy_tokens(tiny_int4, cache, capfd, autotune):
+    """Built as here and (autotune) as on a CPU with AMX. The program's logits within 2^-6 of the largest
+    eager logit (the decode step's tolerance: inductor fuses the norms and rotary, rounding where eager
+    does with emulate_precision_casts), the same cache within bfloat16 rounding, and the same greedy tokens."""
     model = tiny_int4
     (ids,) = prompts([2 * CHUNK + 5])
     want, want_cache = _prefill(model, ids[None])
     eager_tokens = model.generate(ids[None], 8, False)
-    assert model.compile_decode()
-    model._compiled_decode = None  # the decode steps eager: only the prefill is compiled here
+    model._compiled_prefill = compiled_prefill.CachedPrefill(model, autotune)  # the decode steps stay eager
     capfd.readouterr()
     got, got_cache = _prefill(model, ids[None])
     assert " done in " in capfd.readouterr().err
@@ -212,7 +224,8 @@ def test_the_bench_section_reports_the_ratio_of_the_medians():
 
     assert SECTIONS["prefill"] == "lmcli.bench_prefill"
     console = Console(record=True, width=200)
-    result = {"build_s": 61.0, "used": True, "eager_s": [2.0, 4.0, 3.0], "compiled_s": [1.0, 2.0, 9.0],
+    result = {"build_s": 61.0, "used": True, "autotune": False, "eager_s": [2.0, 4.0, 3.0],
+              "compiled_s": [1.0, 2.0, 9.0],
               "max_difference": 0.1, "largest_logit": 10.0, "same_token": True, "threads": 2, "tokens": 256,
               "rounds": 3, "load_average": 1.0, "cpus": 2}
     bench_prefill.report(result, console)

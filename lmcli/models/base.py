@@ -203,9 +203,10 @@ class BaseModel(WeightCounting, nn.Module):
             why = compiled_step.unsupported(self)
             if why is None:  # a program built once per model, machine and batch size (io/compiled_cache.py)
                 self._compiled_decode = compiled_step.CachedDecode(self)
-                from lmcli.models.compiled_prefill import CachedPrefill
+                from lmcli.models import compiled_prefill
 
-                self._compiled_prefill = CachedPrefill(self)  # batch-1 prompts in chunks, beside the step
+                if compiled_prefill.pays_here():  # batch-1 prompts in chunks, beside the step
+                    self._compiled_prefill = compiled_prefill.CachedPrefill(self)
                 return True
             sys.stderr.write(f"note: --compile: {why}; compiling with torch.compile in this process\n")
         mode = "reduce-overhead" if self.device.type == "cuda" else None

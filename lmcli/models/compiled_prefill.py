@@ -7,11 +7,10 @@ chunk's left dynamic), given each chunk's batch-invariant key plan as two tensor
 built once per model, machine and chunk length and kept in the same cache of compiled programs
 (io/compiled_cache.py: key, SHA-256 check, staging, one `note:` and a rebuild for a bad entry).
 A prompt runs its whole chunks through the program and the tokens left over eagerly. Installed
-beside the compiled decode step (`BaseModel.compile_decode`), for batch 1 on CPU.
-
-The program calls the same int4 kernel as eager (`_weight_int4pack_mm_for_cpu`): on a CPU without
-AMX inductor's own int4 micro-GEMM is no faster at 64-256 rows (tools/compiled_int4.py; README,
-"Compiled prefill chunks"), so the build leaves the kernel choice to inductor's default.
+beside the compiled decode step (`BaseModel.compile_decode`), for batch 1 on CPU, where it can pay
+(`pays_here`: a CPU with AMX, whose int4 micro-GEMM inductor then chooses under max_autotune).
+Without AMX the program calls the eager int4 kernel (`_weight_int4pack_mm_for_cpu`) and gains nothing
+(README, "Compiled prefill chunks"); `lmcli bench --sections prefill` measures it anyway.
 """
 
 from __future__ import annotations
@@ -60,8 +59,8 @@ def chunk_inputs(model: BaseModel, input_ids: torch.Tensor, positions: torch.Ten
 
 def example(model: BaseModel) -> tuple[ModelCache, tuple[Any, ...]]:
     """A scratch cache and inputs to export on: a chunk at slots CHUNK + 5 .. 2 * CHUNK + 4, so that no
-    dynamic length (history 2 * CHUNK + 5, its key plan padded past it, cache 2 * CHUNK + 37, text 2 * CHUNK + 43) equals
-    the chunk's fixed one, which would tie them in the exported graph."""
+    dynamic length (history 2 * CHUNK + 5, its key plan padded past it, cache 2 * CHUNK + 37, text
+    2 * CHUNK + 43) equals the chunk's fixed one, which would tie them in the exported graph."""
     start, capacity = CHUNK + 5, 2 * CHUNK + 37
     cache = model.init_cache(1, capacity)
     slot_is_token = torch.ones((1, capacity + 6), dtype=torch.bool)
@@ -70,16 +69,28 @@ def example(model: BaseModel) -> tuple[ModelCache, tuple[Any, ...]]:
     return cache, chunk_inputs(model, input_ids, query_slots[None].clone(), query_slots, slot_is_token, cache)
 
 
-def build(model: BaseModel, package: Path) -> None:
+def pays_here() -> bool:
+    """Whether `compile_decode` installs the prefill program: where the CPU has AMX tiles, for inductor's
+    int4 micro-GEMM on them (measured 13x the eager kernel at 256 rows on a Xeon). On a CPU without AMX
+    (a 2-core AVX-512 EPYC) the program prefilled at 0.74x-1.02x eager and the AVX-512 micro-GEMM was no
+    faster than the eager kernel (README, "Compiled prefill chunks"), so prefill stays eager there."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+def build(model: BaseModel, package: Path, autotune: bool) -> None:
+    """Export a chunk's step and compile it to `package`; `autotune`: let inductor choose each int4
+    product's kernel (max_autotune: its C++ micro-GEMM against the eager kernel, the faster kept)."""
+    configs: dict[str, Any] = {"emulate_precision_casts": True}  # as the decode step (compiled_step._build)
+    if autotune:
+        configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     with warnings.catch_warnings():  # torch's own deprecation notices, which would break the progress line
         warnings.simplefilter("ignore")
         program = compiled_step.export_step(model, *example(model))
-        torch._inductor.aoti_compile_and_package(program, package_path=str(package),
-                                                 inductor_configs={"emulate_precision_casts": True})
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
 
 
-def cache_key(model: BaseModel) -> dict[str, Any]:
-    return {**compiled_cache.cache_key(model, 1), "program": "prefill", "chunk": CHUNK}
+def cache_key(model: BaseModel, autotune: bool) -> dict[str, Any]:
+    return {**compiled_cache.cache_key(model, 1), "program": "prefill", "chunk": CHUNK, "autotune": autotune}
 
 
 class CachedPrefill:
@@ -88,8 +99,9 @@ class CachedPrefill:
     cache of compiled programs, or built at the first such prompt) and the rest eagerly. Where the
     program cannot be had or fails, one warning line, and prefill stays eager from then on."""
 
-    def __init__(self, model: BaseModel):
+    def __init__(self, model: BaseModel, autotune: bool | None = None):
         self.model = model
+        self.autotune = pays_here() if autotune is None else autotune  # the micro-GEMM where it can pay
         self.runner: Callable[..., torch.Tensor] | None = None
         self.failed = False
 
@@ -132,10 +144,10 @@ class CachedPrefill:
 
     def _runner(self) -> Callable[..., torch.Tensor]:
         model = self.model
-        name, key = f"{compiled_step.label(model)}-prefill{CHUNK}", cache_key(model)
+        name, key = f"{compiled_step.label(model)}-prefill{CHUNK}", cache_key(model, self.autotune)
         what = f"the prefill of {compiled_step.label(model)} in chunks of {CHUNK} tokens"
         for attempt in range(2):
-            package = compiled_cache.obtain(name, key, lambda path: build(model, path), what)
+            package = compiled_cache.obtain(name, key, lambda path: build(model, path, self.autotune), what)
             try:
                 return compiled_step._load(package)
             except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
