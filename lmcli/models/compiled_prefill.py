@@ -15,6 +15,8 @@ Without AMX the program calls the eager int4 kernel (`_weight_int4pack_mm_for_cp
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 import warnings
 from collections.abc import Callable
@@ -83,7 +85,8 @@ def build(model: BaseModel, package: Path, autotune: bool) -> None:
     configs: dict[str, Any] = {"emulate_precision_casts": True}  # as the decode step (compiled_step._build)
     if autotune:
         configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
-    with warnings.catch_warnings():  # torch's own deprecation notices, which would break the progress line
+    # torch's deprecation notices and the autotuner's tables would break the progress line
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         program = compiled_step.export_step(model, *example(model))
         torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
