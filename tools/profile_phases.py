@@ -8,9 +8,10 @@ every op (Python and dispatch).
 Prefill: one `generate(..., max_new_tokens=1)` of a random PREFILL-token prompt at batch 1 (the first
 token's time). Decode: STEPS greedy steps after a 32-token prompt, timed and profiled from the first
 token on (the profiler starts in `on_token`). Each phase runs once to warm up, once timed, once
-profiled; "outside ops" is the profiled wall time less the self time of every op on the main thread
-(so it carries the profiler's own cost too: compare the unprofiled time). Used for the README's
-"What holds the rest back (issue 17)".
+profiled. Each op's self time on the main thread is taken from the profiled run, shares are of the
+unprofiled time, and "outside ops" is the unprofiled time less every op's: Python and dispatch
+between ops (the profiler's own cost, profiled less unprofiled, falls mostly there and is left out).
+Used for the README's "Compiled prefill chunks; what holds issue 17's targets back".
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled
 
 
 def split(prof: Any, wall: float) -> dict[str, float]:
-    """Seconds of each part, and the number of op calls, from a finished profiler."""
+    """Seconds of each part of `wall` (the unprofiled time), and the number of op calls, from a finished profiler."""
     parts: dict[str, float] = defaultdict(float)
     others: dict[str, float] = {}
     calls = 0
@@ -52,7 +53,7 @@ def split(prof: Any, wall: float) -> dict[str, float]:
             continue
         parts[part] += seconds
         calls += event.count
-    parts["outside ops (Python, dispatch, profiler)"] = max(0.0, wall - sum(parts.values()))
+    parts["outside ops (Python, dispatch)"] = max(0.0, wall - sum(parts.values()))
     parts["calls"] = calls
     largest = sorted(others.items(), key=lambda item: -item[1])[:6]
     print("largest other ops: " + ", ".join(f"{name} {seconds * 1e3:.0f} ms" for name, seconds in largest))
@@ -62,9 +63,9 @@ def split(prof: Any, wall: float) -> dict[str, float]:
 def report(title: str, unprofiled: float, profiled: float, parts: dict[str, float], tokens: int) -> None:
     print(f"\n{title}: {unprofiled:.3f} s unprofiled ({tokens / unprofiled:.1f} tok/s), {profiled:.3f} s profiled, "
           f"{int(parts.pop('calls'))} op calls")
-    print("| part | ms per token | share of profiled time |\n| --- | --- | --- |")
+    print("| part | ms per token | share |\n| --- | --- | --- |")
     for part, seconds in sorted(parts.items(), key=lambda item: -item[1]):
-        print(f"| {part} | {seconds / tokens * 1e3:.2f} | {seconds / profiled:.0%} |")
+        print(f"| {part} | {seconds / tokens * 1e3:.2f} | {seconds / unprofiled:.0%} |")
 
 
 def prefill(model: Any, length: int) -> None:
@@ -77,7 +78,7 @@ def prefill(model: Any, length: int) -> None:
         start = time.perf_counter()
         model.generate(prompt, 1, False)
         profiled = time.perf_counter() - start
-    report(f"prefill of {length} tokens, batch 1", unprofiled, profiled, split(prof, profiled), length)
+    report(f"prefill of {length} tokens, batch 1", unprofiled, profiled, split(prof, unprofiled), length)
 
 
 def decode(model: Any, steps: int) -> None:
@@ -97,7 +98,7 @@ def decode(model: Any, steps: int) -> None:
     model.generate(prompt, steps + 1, False, on_token=lambda event: timed(event, True))
     profiled = time.perf_counter() - marks["start"]
     prof.stop()
-    report(f"decode, {steps} steps at batch 1 after 32 tokens", unprofiled, profiled, split(prof, profiled), steps)
+    report(f"decode, {steps} steps at batch 1 after 32 tokens", unprofiled, profiled, split(prof, unprofiled), steps)
 
 
 def main() -> None:
