@@ -8,9 +8,9 @@ every op (Python and dispatch).
 Prefill: one `generate(..., max_new_tokens=1)` of a random PREFILL-token prompt at batch 1 (the first
 token's time). Decode: STEPS greedy steps after a 32-token prompt, timed and profiled from the first
 token on (the profiler starts in `on_token`). Each phase runs once to warm up, once timed, once
-profiled. Each op's self time on the main thread is taken from the profiled run, shares are of the
-unprofiled time, and "outside ops" is the unprofiled time less every op's: Python and dispatch
-between ops (the profiler's own cost, profiled less unprofiled, falls mostly there and is left out).
+profiled. The parts are of the profiled run: each op's self time on the main thread, the profiler's
+own cost (the ops recorded times its cost per op, measured on a loop of tiny adds), and "outside
+ops", what is left: Python and dispatch between ops. The unprofiled time is printed beside it.
 Used for the README's "Compiled prefill chunks; what holds issue 17's targets back".
 """
 
@@ -32,8 +32,30 @@ ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled
              "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention")
 
 
-def split(prof: Any, wall: float) -> dict[str, float]:
-    """Seconds of each part of `wall` (the unprofiled time), and the number of op calls, from a finished profiler."""
+def profiler_cost_per_op() -> float:
+    """Seconds the profiler adds to each op it records: a loop of tiny adds, timed with it and without."""
+    a, b = torch.ones(1), torch.ones(1)
+    n = 20000
+    spans = []
+    for profiled in (False, True, False, True):
+        with profile(activities=[ProfilerActivity.CPU]) if profiled else _nothing():
+            start = time.perf_counter()
+            for _ in range(n):
+                torch.add(a, b)
+            spans.append(time.perf_counter() - start)
+    return max(0.0, (min(spans[1::2]) - min(spans[0::2])) / n)
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def split(prof: Any, wall: float, per_op: float) -> dict[str, float]:
+    """Seconds of each part of `wall` (the profiled run's time), and the number of op calls."""
     parts: dict[str, float] = defaultdict(float)
     others: dict[str, float] = {}
     calls = 0
@@ -53,6 +75,7 @@ def split(prof: Any, wall: float) -> dict[str, float]:
             continue
         parts[part] += seconds
         calls += event.count
+    parts["the profiler's own cost (calls x its cost per op)"] = calls * per_op
     parts["outside ops (Python, dispatch)"] = max(0.0, wall - sum(parts.values()))
     parts["calls"] = calls
     largest = sorted(others.items(), key=lambda item: -item[1])[:6]
@@ -63,12 +86,12 @@ def split(prof: Any, wall: float) -> dict[str, float]:
 def report(title: str, unprofiled: float, profiled: float, parts: dict[str, float], tokens: int) -> None:
     print(f"\n{title}: {unprofiled:.3f} s unprofiled ({tokens / unprofiled:.1f} tok/s), {profiled:.3f} s profiled, "
           f"{int(parts.pop('calls'))} op calls")
-    print("| part | ms per token | share |\n| --- | --- | --- |")
+    print("| part | ms per token | share of the profiled run |\n| --- | --- | --- |")
     for part, seconds in sorted(parts.items(), key=lambda item: -item[1]):
-        print(f"| {part} | {seconds / tokens * 1e3:.2f} | {seconds / unprofiled:.0%} |")
+        print(f"| {part} | {seconds / tokens * 1e3:.2f} | {seconds / profiled:.0%} |")
 
 
-def prefill(model: Any, length: int) -> None:
+def prefill(model: Any, length: int, per_op: float) -> None:
     prompt = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     model.generate(prompt, 1, False)  # warm-up
     start = time.perf_counter()
@@ -78,10 +101,10 @@ def prefill(model: Any, length: int) -> None:
         start = time.perf_counter()
         model.generate(prompt, 1, False)
         profiled = time.perf_counter() - start
-    report(f"prefill of {length} tokens, batch 1", unprofiled, profiled, split(prof, unprofiled), length)
+    report(f"prefill of {length} tokens, batch 1", unprofiled, profiled, split(prof, profiled, per_op), length)
 
 
-def decode(model: Any, steps: int) -> None:
+def decode(model: Any, steps: int, per_op: float) -> None:
     prompt = torch.randint(3, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(1))
     model.generate(prompt, 4, False)  # warm-up (and a compiled step's build or load)
     marks: dict[str, float] = {}
@@ -98,7 +121,7 @@ def decode(model: Any, steps: int) -> None:
     model.generate(prompt, steps + 1, False, on_token=lambda event: timed(event, True))
     profiled = time.perf_counter() - marks["start"]
     prof.stop()
-    report(f"decode, {steps} steps at batch 1 after 32 tokens", unprofiled, profiled, split(prof, unprofiled), steps)
+    report(f"decode, {steps} steps at batch 1 after 32 tokens", unprofiled, profiled, split(prof, profiled, per_op), steps)
 
 
 def main() -> None:
@@ -123,10 +146,12 @@ def main() -> None:
     print(f"{checkpoint or 'the default model'}: dtype {model.dtype}, torch {torch.__version__}, "
           f"CPU {torch.backends.cpu.get_cpu_capability()}, threads {torch.get_num_threads()} at the start")
     with torch.inference_mode():
+        per_op = profiler_cost_per_op()
+        print(f"the profiler's own cost: {per_op * 1e6:.2f} us per op recorded")
         if args.prefill:
-            prefill(model, args.prefill)
+            prefill(model, args.prefill, per_op)
         if args.steps:
-            decode(model, args.steps)
+            decode(model, args.steps, per_op)
     print(f"\nthreads at the end: {torch.get_num_threads()}")
 
 
