@@ -225,11 +225,12 @@ def test_the_bench_section_reports_the_ratio_of_the_medians():
     assert SECTIONS["prefill"] == "lmcli.bench_prefill"
     console = Console(record=True, width=200)
     result = {"build_s": 61.0, "used": True, "autotune": False, "eager_s": [2.0, 4.0, 3.0],
-              "compiled_s": [1.0, 2.0, 9.0],
+              "compiled_s": [1.0, 2.0, 9.0], "eager_chunked_s": [4.0, 4.0, 4.0],
               "max_difference": 0.1, "largest_logit": 10.0, "same_token": True, "threads": 2, "tokens": 256,
               "rounds": 3, "load_average": 1.0, "cpus": 2}
     bench_prefill.report(result, console)
     text = console.export_text()
     assert "85.3 tok/s" in text and "128.0 tok/s" in text and "1.50x" in text and "61.0 s" in text  # 256/3, 256/2
+    assert "64.0 tok/s" in text and "2.00x" in text  # eager in chunks: 256/4, and 128/64
     bench_prefill.report({"error": "no compiler", "tokens": 256, "rounds": 1, "load_average": 1.0, "cpus": 2}, console)
     assert "no compiler" in console.export_text()
