@@ -33,6 +33,17 @@ def prefill():
     start = time.perf_counter()
     model.generate(ids, 1, False)
     return time.perf_counter() - start
+def prefill_in_chunks():  # eager, in the program's chunks: what the chunking alone costs
+    from lmcli.models.compiled_prefill import CHUNK
+    cache = model.init_cache(1, length + 1)
+    is_token = torch.ones(1, length + 1, dtype=torch.bool)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for first in range(0, length, CHUNK):
+            last = min(first + CHUNK, length)
+            model.forward_slots(ids[:, first:last], torch.arange(first, last)[None], torch.arange(first, last),
+                                is_token, cache, last_only=True)
+    return time.perf_counter() - start
 def last_logits():
     cache = model.init_cache(1, length)
     is_token = torch.ones(1, length, dtype=torch.bool)
@@ -45,11 +56,11 @@ from lmcli.models.compiled_prefill import CachedPrefill
 program = model._compiled_prefill = CachedPrefill(model)  # installed here even where compile_decode would not
 build = prefill()
 compiled_logits = last_logits()
-times = {"eager": [], "compiled": []}
+times = {"eager": [], "compiled": [], "eager_chunked": []}
 for _ in range(rounds):
     for name in times:
         model._compiled_prefill = program if name == "compiled" else None
-        times[name].append(prefill())
+        times[name].append(prefill_in_chunks() if name == "eager_chunked" else prefill())
 used = program.runner is not None and not program.failed
 print(json.dumps({"build_s": build, "used": used, "autotune": program.autotune, "eager_s": times["eager"], "compiled_s": times["compiled"],
                   "eager_chunked_s": times["eager_chunked"],
