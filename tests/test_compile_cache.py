@@ -106,12 +106,23 @@ def test_the_compiled_step_decodes_as_eager_and_a_later_process_loads_it(tiny_in
     assert model.compile_decode()
     assert torch.equal(model.generate(ids, 10, False), eager)
     assert "compiling" not in capfd.readouterr().err
-    # A batch decodes eagerly (no program for it), its rows as alone, with one note.
+    # A left-padded batch of 2 runs its own program: each row's logits as eager's, within the same tolerance
+    # (a program reading its inputs with the wrong strides gave row 1 another row's tokens: error 2.6).
     batch, mask = left_pad(prompts([3, 9]))
-    alone = [model.generate(row[None], 6, False)[0] for row in prompts([3, 9])]
-    out = model.generate(batch, 6, False, attention_mask=mask)
-    assert [out[i, -6:].tolist() for i in range(2)] == [a[-6:].tolist() for a in alone]
-    assert capfd.readouterr().err.count("decodes eagerly") == 1
+    tokens, pairs = _eager_and_step_logits(model, batch, mask, 8)
+    assert "for batch 2" in capfd.readouterr().err and len(compiled_cache.entries()) == 2 and len(pairs) == 7
+    for got, want in pairs:
+        for row in range(2):
+            torch.testing.assert_close(got[row], want[row], rtol=0, atol=2**-6 * float(want[row].abs().max()))
+    # The program runs on the model's own tensors, not a copy: changed in place, its logits follow.
+    head = model.model.norm.weight
+    with torch.no_grad():
+        head.mul_(-2.0)
+    _, pairs = _eager_and_step_logits(model, ids, None, 4)
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=0, atol=2**-6 * float(want.abs().max()))
+    with torch.no_grad():
+        head.div_(-2.0)
 
 
 def test_the_exported_step_run_eagerly_is_eager_decoding_bit_for_bit(tiny_int4):
@@ -141,8 +152,9 @@ def test_a_built_entry_is_used_and_a_stale_one_is_not(cache, capfd):
     assert first.read_bytes() == b"program" and len(calls) == 1
     assert "compiling a step" in capfd.readouterr().err
     assert compiled_cache.obtain("tiny", KEY, build, "a step") == first and len(calls) == 1
-    other = dict(KEY, torch="another")  # another key: another entry, built anew
+    other = dict(KEY, model="another")  # another key: another entry, built anew, the first one kept
     assert compiled_cache.obtain("tiny", other, build, "a step") != first and len(calls) == 2
+    assert first.is_file()
     # An entry whose recorded key differs from its name's (copied, or written by other code) is refused.
     meta = json.loads((first.parent / compiled_cache.META).read_text())
     (first.parent / compiled_cache.META).write_text(json.dumps(dict(meta, key=dict(KEY, threads=99))))
@@ -275,6 +287,25 @@ def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_g
         assert not len(differs) or int(differs[0]) >= near_tie, (row, got_tokens, want_tokens, near_tie)
     assert "compiling" in capfd.readouterr().err
     assert len(compiled_cache.entries()) == 1  # batch 1
+
+
+def test_a_new_entry_removes_those_it_supersedes_and_no_other(cache, capfd):
+    """Built by another lmcli or torch for the same model, machine, threads and batch: removed when the
+    new entry is placed. Another model, thread count or batch size, and a newer entry, are kept."""
+    build, _ = _writer()
+    key = dict(KEY, threads=2, cpu="AVX512")
+    old = [compiled_cache.obtain("tiny", dict(key, **change), build, "a step").parent
+           for change in ({"torch": "2.12"}, {"code": "older"}, {"format": 0})]
+    kept = [compiled_cache.obtain("tiny", dict(key, **change), build, "a step").parent
+            for change in ({"model": "other"}, {"threads": 1}, {"batch": 2}, {"cpu": "AVX2"})]
+    newer = compiled_cache.obtain("tiny", dict(key, torch="2.14"), build, "a step").parent
+    import os
+    os.utime(newer / compiled_cache.META, (2**31, 2**31))  # placed after the one below (clock far ahead)
+    new = compiled_cache.obtain("tiny", key, build, "a step").parent
+    listed = {entry for entry, _ in compiled_cache.entries()}
+    assert listed == {new, newer, *kept}
+    assert not any(path.exists() for path in old)
+    assert [p.name for p in (cache / "compiled").iterdir() if p.name.startswith(".")] == []
 
 
 def test_lmcli_info_lists_the_entries_with_their_size(cache, tmp_path):
