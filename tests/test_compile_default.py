@@ -31,7 +31,7 @@ def stand_ins(tmp_path, monkeypatch):
     """Record builds and loads; the cache in a fresh directory; LMCLI_COMPILE as a user's shell has it."""
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv(compiled_step.COMPILE_VAR, raising=False)
-    calls: dict[str, list[int]] = {"build": [], "load": []}
+    calls: dict[str, list[int]] = {"build": [], "load": [], "threads": []}
 
     def build(model, cache, example, package: Path) -> dict:
         calls["build"].append(example[0].shape[0])
@@ -44,6 +44,7 @@ def stand_ins(tmp_path, monkeypatch):
 
         def run(*args):
             calls["load"][-1] += 1  # steps run by this program
+            calls["threads"].append(torch.get_num_threads())
             return step(*args)
         return run
 
@@ -63,10 +64,10 @@ def _generate(checkpoint, *flags: str, prompt: str = PROMPT) -> tuple[list[int],
 
 def test_by_default_a_single_prompt_runs_a_program_already_built_and_never_builds_one(tiny_checkpoint, stand_ins):
     eager, _ = _generate(tiny_checkpoint, "--no-compile")
-    assert stand_ins == {"build": [], "load": []}
+    assert stand_ins["build"] == stand_ins["load"] == []
     # No program yet: the default decodes eagerly, builds nothing and says nothing about compiling.
     tokens, err = _generate(tiny_checkpoint)
-    assert tokens == eager and stand_ins == {"build": [], "load": []} and "compil" not in err
+    assert tokens == eager and stand_ins["build"] == stand_ins["load"] == [] and "compil" not in err
     # --compile builds one (with its progress line) and runs it.
     tokens, err = _generate(tiny_checkpoint, "--compile")
     assert tokens == eager and stand_ins["build"] == [1] and stand_ins["load"] == [7]
@@ -134,5 +135,16 @@ def test_a_float_checkpoint_stays_eager_by_default(tiny_checkpoint, stand_ins):
     assert not model.compile_decode(builds=False) and model._compiled_decode is None
     ids = torch.tensor([[1, 5, 9]])
     model.generate(ids, 3, False)
-    assert stand_ins == {"build": [], "load": []}
+    assert stand_ins["build"] == stand_ins["load"] == []
     assert compiled_cache.entries() == []
+
+
+def test_a_program_built_for_another_thread_count_runs_and_never_on_more_threads(tiny_checkpoint, stand_ins):
+    """Built at 1 thread, then a run at 2: no rebuild; the program runs with torch at 1 thread (inductor
+    sized its per-thread partials by the build's count), and the thread count is 2 again after each step."""
+    eager, _ = _generate(tiny_checkpoint, "--threads", "1", "--compile")
+    assert stand_ins["build"] == [1] and set(stand_ins["threads"]) == {1}
+    tokens, err = _generate(tiny_checkpoint, "--threads", "2")
+    assert tokens == eager and stand_ins["build"] == [1] and stand_ins["load"] == [7, 7]
+    assert set(stand_ins["threads"]) == {1} and torch.get_num_threads() == 2 and "compil" not in err
+    torch.set_num_threads(1)

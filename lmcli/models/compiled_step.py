@@ -260,6 +260,7 @@ class CachedDecode:
         self.builds = builds  # False: only programs already in the cache run, other batch sizes decode eagerly
         self.runners: dict[int, Callable[..., torch.Tensor]] = {}
         self.eager: set[int] = set()  # batch sizes without a program here
+        self.threads: dict[int, int] = {}  # the thread count each batch size's program was built for
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                  slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int, last_only: bool) -> torch.Tensor:
@@ -281,11 +282,23 @@ class CachedDecode:
         args = step_inputs(self.model, input_ids, positions, query_slots, slot_is_token, cache, slot_end)
         if runner is None:
             runner = self.runners[batch] = self._runner(batch, cache, args)
-        return runner(*args)
+        built = self.threads[batch]
+        if torch.get_num_threads() <= built:
+            return runner(*args)
+        # More threads than it was built for: inductor sizes a parallel reduction's per-thread partials by
+        # the build's count (seen in the generated C++: `tmp_acc0_arr[2]` indexed by omp_get_thread_num()),
+        # so the program never runs on more (lmcli's count may rise with the load falling).
+        more = torch.get_num_threads()
+        torch.set_num_threads(built)
+        try:
+            return runner(*args)
+        finally:
+            torch.set_num_threads(more)
 
     def _runner(self, batch: int, cache: ModelCache, example: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
         model, name = self.model, label(self.model)
-        key = compiled_cache.cache_key(model, batch)
+        key = self._key(batch)
+        self.threads[batch] = key["threads"]
         what = f"the decode step of {name} for batch {batch}"
         for attempt in range(2):
             builder = (lambda path: build(model, cache, example, path)) if self.builds else None
@@ -298,6 +311,17 @@ class CachedDecode:
                 compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})")
         raise AssertionError("unreachable")
 
+    def _key(self, batch: int) -> dict[str, Any]:
+        """The key of the program to run at `batch` rows: built for this thread count, else one already built
+        for another (any runs at any count, never on more threads than its own: see __call__), more threads
+        first; where there is none, this count's (to be built). A changed thread count builds nothing."""
+        key = compiled_cache.cache_key(self.model, batch)
+        threads, most = key["threads"], max(os.cpu_count() or 1, key["threads"])
+        for count in [threads, *range(threads + 1, most + 1), *range(threads - 1, 0, -1)]:
+            if compiled_cache.has_entry(label(self.model), dict(key, threads=count)):
+                return dict(key, threads=count)
+        return key
+
     def _built(self, batch: int) -> bool:
         """Whether the cache holds a whole entry for `batch` rows now (checked again when it is loaded)."""
-        return compiled_cache.has_entry(label(self.model), compiled_cache.cache_key(self.model, batch))
+        return compiled_cache.has_entry(label(self.model), self._key(batch))
