@@ -166,6 +166,31 @@ def test_the_exported_step_run_eagerly_is_eager_decoding_bit_for_bit(tiny_int4):
         assert torch.equal(got, want)
 
 
+def test_the_exported_steps_attention_runs_on_one_thread_at_any_count(tiny_int4, monkeypatch):
+    """The exported step's attention is one op (`row_attention.attend_rows`, which the program calls back):
+    at 2 threads its per-row calls run on one, as eager's do, and the count is 2 again after it."""
+    from lmcli.models import row_attention
+
+    model, seen, attend = tiny_int4, [], row_attention.attend_gathered
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return attend(*args)
+
+    monkeypatch.setattr(row_attention, "attend_gathered", spy)
+    step = compiled_step.DecodeStep(model)
+    model._compiled_decode = lambda *a: step(*compiled_step.step_inputs(model, *a[:-1]))
+    torch.set_num_threads(2)
+    try:
+        ids, mask = left_pad(prompts([3, 9]))
+        model.generate(ids, 3, False, attention_mask=mask)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+        model._compiled_decode = None
+    assert seen and set(seen) == {1}
+
+
 # --- the cache's rules, with a stand-in builder ------------------------------------------------------
 
 

@@ -147,3 +147,19 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
         keys, values = k[b:b + 1].index_select(2, index[b]), v[b:b + 1].index_select(2, index[b])  # (1, nkv, P, hd)
         rows.append(F.scaled_dot_product_attention(query[b:b + 1], keys, values, attn_mask=mask[b:b + 1], scale=scale))
     return torch.cat(rows).reshape(B, 1, nh * hd)
+
+
+@torch.library.custom_op("lmcli::attend_rows", mutates_args=())
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`attend_gathered` on one thread, as one op that a compiled program does not look into: the compiled
+    decode step (models/compiled_step.py) calls it back through torch's dispatcher, so its attention is
+    this very code under the one-thread rule, and a row's numbers do not follow the thread count there either."""
+    with _one_thread(q.device):
+        return attend_gathered(q, k, v, index, mask, scale)
+
+
+@attend_rows.register_fake
+def _attend_rows_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    return q.new_empty((q.shape[0], 1, q.shape[1] * q.shape[3]))  # (B, 1, nh * hd)
