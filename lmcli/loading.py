@@ -133,6 +133,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     # placed in the model as it is read, so the whole checkpoint is never held twice.
     quantized_load = quantize in ("int4", "int8") or (quantize is None and resolved.kind == "gguf")
     stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
+    tokenizer_json = None  # what a packed entry stores of the tokenizer (io/packed_cache.py)
     weights: Iterator[tuple[str, Any]]
 
     packed = _packed_entry(resolved, quantize, dtype, device, tp)
@@ -164,8 +165,13 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
             tokenizer = tokenizer_from_gguf(metadata)
         except TokenizerError as e:  # what is wrong with the vocabulary, in the file it came from
             raise TokenizerError(f"{path}: {e}") from None
+        if packed is not None and tokenizer is not None:
+            from lmcli.io import packed_cache
+
+            tokenizer_json = packed_cache.tokenizer_bytes(tokenizer)
         if quantized_load:
             gguf.forget_vocabulary()
+        release_freed_memory()  # the vocabulary's strings and the JSON's temporaries, before the weights
         source = str(path)
     else:
         hf_config = dict(resolved.preset) if resolved.preset is not None else _read_config_json(
@@ -219,7 +225,9 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     if packed is not None and type(built) is BaseModel:
         from lmcli.io import packed_cache
 
-        packed_cache.save(built, tokenizer, hf_config, *packed)
+        packed_cache.save(built, tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
+        del tokenizer_json
+        release_freed_memory()
     return built, tokenizer
 
 

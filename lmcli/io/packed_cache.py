@@ -106,17 +106,33 @@ def _samples(total: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return sorted(p for p in pieces if p[1] > 0)
 
 
-def _checksum(data: memoryview | bytes, pieces: list[tuple[int, int]]) -> int:
+class _FileData:
+    """The data region of an open entry, sliced like bytes: `[a:b]` reads those bytes from the file."""
+
+    def __init__(self, fd: int, start: int):
+        self.fd, self.start = fd, start
+
+    def __getitem__(self, piece: slice) -> bytes:
+        return os.pread(self.fd, piece.stop - piece.start, self.start + piece.start)
+
+
+def _checksum(data: memoryview | bytes | _FileData, pieces: list[tuple[int, int]]) -> int:
     crc = 0
     for offset, length in pieces:
         crc = zlib.crc32(data[offset:offset + length], crc)
     return crc
 
 
+def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
+    """The tokenizer's backend as its own JSON, the bytes `save` stores. Taken before the weights are
+    placed: serialising builds about 12 MiB of temporaries, which at the end of a load would add to its peak."""
+    return torch.frombuffer(bytearray(tokenizer.backend.to_str().encode()), dtype=torch.uint8)
+
+
 def save(model: nn.Module, tokenizer: Tokenizer | None, hf_config: dict[str, Any], path: Path,
-         key: dict[str, Any]) -> None:
-    """Write `model`, its tokenizer and the config it was built from as an entry at `path`; a one-line
-    warning (and no entry) where that fails."""
+         key: dict[str, Any], tokenizer_json: torch.Tensor | None = None) -> None:
+    """Write `model`, its tokenizer (`tokenizer_json`: its `tokenizer_bytes`, made now if not given) and
+    the config it was built from as an entry at `path`; a one-line warning (and no entry) where that fails."""
     from lmcli.io.atomic import atomic_file
 
     try:
@@ -127,7 +143,7 @@ def save(model: nn.Module, tokenizer: Tokenizer | None, hf_config: dict[str, Any
         return
     header["hf_config"] = hf_config
     if tokenizer is not None:  # the backend's own JSON, stored as bytes beside the tensors
-        text = torch.frombuffer(bytearray(tokenizer.backend.to_str().encode()), dtype=torch.uint8)
+        text = tokenizer_bytes(tokenizer) if tokenizer_json is None else tokenizer_json
         header["tokenizer"] = {"backend": len(tensors), "bos_token": tokenizer.bos_token,
                                "eos_token": tokenizer.eos_token, "unk_token": tokenizer.unk_token,
                                "pad_token": tokenizer.pad_token, "chat_template": tokenizer.chat_template,
@@ -153,8 +169,9 @@ def save(model: nn.Module, tokenizer: Tokenizer | None, hf_config: dict[str, Any
                 file.seek(start + place)
                 file.write(tensor.view(-1).view(torch.uint8).numpy().data)  # the tensor's bytes, not copied
             file.flush()
-            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                crc = _checksum(memoryview(mapped)[start:], _samples(total, spans))
+            # Read back piece by piece, not mapped: each fault on a mapping maps its neighbours too, and
+            # the pieces touch every tensor, so a mapping here added about 50 MiB to the load's peak.
+            crc = _checksum(_FileData(file.fileno(), start), _samples(total, spans))
             encoded = _encode(header, crc)
             assert _data_start(len(encoded)) == start  # the checksum's digits do not move the data
             file.seek(0)
