@@ -39,11 +39,11 @@ def test_a_run_on_the_compiled_step_stays_within_the_memory_bound(smollm2_gguf, 
     from lmcli.io import compiled_cache
 
     args = (str(smollm2_gguf), str(PROMPT_TOKENS), str(NEW_TOKENS))
-    _run(_COMPILED_RUN, *args, cache_dir=tmp_path)  # builds the program
+    _run(_COMPILED_RUN, *args, cache_dir=tmp_path, packed_cache=True)  # builds the program (as a user's run: packed cache on)
     packages = list((tmp_path / "compiled").glob(f"*/{compiled_cache.PACKAGE}"))
     file_size = Path(smollm2_gguf).stat().st_size
     assert len(packages) == 1 and packages[0].stat().st_size < 0.1 * file_size  # no weights inside
-    run = json.loads(_run(_COMPILED_RUN, *args, cache_dir=tmp_path))  # loads it
+    run = json.loads(_run(_COMPILED_RUN, *args, cache_dir=tmp_path, packed_cache=True))  # loads it
     assert run["generated"] == NEW_TOKENS and run["compiled"] == "CachedDecode"
     kv_cache = 2 * run["layers"] * run["kv_heads"] * run["head_dim"] * (PROMPT_TOKENS + NEW_TOKENS) * 4
     bound = torch_import_bytes + BOUND_OF_FILE * file_size + kv_cache
