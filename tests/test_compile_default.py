@@ -148,3 +148,16 @@ def test_a_program_built_for_another_thread_count_runs_and_never_on_more_threads
     assert tokens == eager and stand_ins["build"] == [1] and stand_ins["load"] == [7, 7]
     assert set(stand_ins["threads"]) == {1} and torch.get_num_threads() == 2 and "compil" not in err
     torch.set_num_threads(1)
+
+
+def test_by_default_a_damaged_entry_is_deleted_with_one_note_and_the_run_decodes_eagerly(tiny_checkpoint, stand_ins):
+    eager, _ = _generate(tiny_checkpoint, "--compile")
+    [(entry, _)] = compiled_cache.entries()
+    package = entry / compiled_cache.PACKAGE
+    package.write_bytes(b"A" + package.read_bytes()[1:])  # one byte changed: the checksum no longer matches
+    tokens, err = _generate(tiny_checkpoint)
+    assert tokens == eager and stand_ins["build"] == [1] and stand_ins["load"] == [7]
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"note: {entry}: {compiled_cache.PACKAGE} is not the file that was built (size or checksum differs); "
+        "decoding eagerly"]
+    assert compiled_cache.entries() == []

@@ -134,9 +134,9 @@ def _check(entry: Path, key: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     return package, program
 
 
-def discard(entry: Path, why: str) -> None:
-    """Delete a stale or damaged entry, saying so in one line."""
-    sys.stderr.write(f"note: {entry}: {why}; building it again\n")
+def discard(entry: Path, why: str, then: str = "building it again") -> None:
+    """Delete a stale or damaged entry, saying so in one line (and what happens `then`)."""
+    sys.stderr.write(f"note: {entry}: {why}; {then}\n")
     shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -156,7 +156,7 @@ def obtain_entry(label: str, key: dict[str, Any], build: Callable[[Path], dict[s
         try:
             return _check(entry, key)
         except Damaged as exc:
-            discard(entry, str(exc))
+            discard(entry, str(exc), "building it again" if build is not None else "decoding eagerly")
     if build is None:
         raise Unavailable(f"no compiled program for {what} in {entry.parent}")
     from lmcli.io.atomic import make_staging_directory, replace_directory

@@ -281,7 +281,14 @@ class CachedDecode:
                                              last_only)
         args = step_inputs(self.model, input_ids, positions, query_slots, slot_is_token, cache, slot_end)
         if runner is None:
-            runner = self.runners[batch] = self._runner(batch, cache, args)
+            try:
+                runner = self.runners[batch] = self._runner(batch, cache, args)
+            except compiled_cache.Unavailable:
+                if self.builds:
+                    raise
+                self.eager.add(batch)  # by default: the entry was damaged (said and deleted), so eager
+                return self.model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
+                                                 slot_end, last_only)
         built = self.threads[batch]
         if torch.get_num_threads() <= built:
             return runner(*args)
@@ -306,9 +313,12 @@ class CachedDecode:
             try:
                 return load(package, model, meta)
             except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
-                if attempt or not self.builds:
+                if attempt:
                     raise compiled_cache.Unavailable(f"loading {package} failed: {first_line(exc)[:160]}") from None
-                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})")
+                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})",
+                                       "building it again" if self.builds else "decoding eagerly")
+                if not self.builds:
+                    raise compiled_cache.Unavailable("no loadable program") from None
         raise AssertionError("unreachable")
 
     def _key(self, batch: int) -> dict[str, Any]:
