@@ -161,3 +161,15 @@ def test_by_default_a_damaged_entry_is_deleted_with_one_note_and_the_run_decodes
         f"note: {entry}: {compiled_cache.PACKAGE} is not the file that was built (size or checksum differs); "
         "decoding eagerly"]
     assert compiled_cache.entries() == []
+
+
+def test_by_default_with_no_program_the_start_pays_no_fingerprint(tiny_checkpoint, stand_ins, monkeypatch):
+    """The model's fingerprint (tens of milliseconds on the default model) is computed only when the cache
+    holds some program for this model and batch size."""
+    counted = []
+    fingerprint = compiled_cache.model_fingerprint
+    monkeypatch.setattr(compiled_cache, "model_fingerprint", lambda model: counted.append(1) or fingerprint(model))
+    _generate(tiny_checkpoint)
+    assert counted == []
+    _generate(tiny_checkpoint, "--compile")
+    assert counted

@@ -115,6 +115,12 @@ def has_entry(label: str, key: dict[str, Any]) -> bool:
     return (entry_path(label, key) / META).is_file()
 
 
+def any_entry(label: str, batch_size: int) -> bool:
+    """Whether any entry for this label and batch size looks complete: a directory listing, no key
+    computed (the model's fingerprint costs tens of milliseconds, too much for every start)."""
+    return root().is_dir() and any((entry / META).is_file() for entry in root().glob(f"{label}-b{batch_size}-*"))
+
+
 def _check(entry: Path, key: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     meta_path, package = entry / META, entry / PACKAGE
     try:

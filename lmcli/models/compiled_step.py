@@ -334,4 +334,5 @@ class CachedDecode:
 
     def _built(self, batch: int) -> bool:
         """Whether the cache holds a whole entry for `batch` rows now (checked again when it is loaded)."""
-        return compiled_cache.has_entry(label(self.model), self._key(batch))
+        name = label(self.model)
+        return compiled_cache.any_entry(name, batch) and compiled_cache.has_entry(name, self._key(batch))
