@@ -168,7 +168,12 @@ def test_by_default_with_no_program_the_start_pays_no_fingerprint(tiny_checkpoin
     holds some program for this model and batch size."""
     counted = []
     fingerprint = compiled_cache.model_fingerprint
-    monkeypatch.setattr(compiled_cache, "model_fingerprint", lambda model: counted.append(1) or fingerprint(model))
+
+    def counting(model):
+        counted.append(1)
+        return fingerprint(model)
+
+    monkeypatch.setattr(compiled_cache, "model_fingerprint", counting)
     _generate(tiny_checkpoint)
     assert counted == []
     _generate(tiny_checkpoint, "--compile")
