@@ -19,6 +19,7 @@ from typing import Any
 SECTIONS: dict[str, str] = {
     "engines": "lmcli.bench",
     "compiled": "lmcli.bench_compiled",  # the cached compiled decode step: build, load, decode against eager
+    "prefill": "lmcli.bench_prefill",  # the compiled prefill chunks against eager prefill, batch 1
     "invariance": "lmcli.bench_invariance",  # the batch-invariant default against --fast-kernels
     "job": "lmcli.bench_job",
     "startup": "lmcli.bench_startup",  # whole-process start-up and first token, with and without the packed cache

@@ -88,6 +88,7 @@ class BaseModel(WeightCounting, nn.Module):
         self.activation_dtype: torch.dtype | None = None
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
+        self._compiled_prefill: Any = None  # models/compiled_prefill.CachedPrefill, see compile_decode
         self.eval()
 
     def use_fast_layout(self) -> None:
@@ -152,6 +153,10 @@ class BaseModel(WeightCounting, nn.Module):
         compiled = self._compiled_decode
         if compiled is not None and cache is not None and input_ids.shape[1] == 1:
             return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache, last_only)
+        prefill = self._compiled_prefill
+        if prefill is not None and cache is not None and last_only and prefill.takes(input_ids, query_slots,
+                                                                                     slot_is_token, cache):
+            return prefill(input_ids, positions, query_slots, slot_is_token, cache)
         slot_end = int(query_slots[-1]) + 1 if cache is not None else None  # one host sync per call
         return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
 
@@ -204,6 +209,10 @@ class BaseModel(WeightCounting, nn.Module):
             why = compiled_step.unsupported(self) or (None if builds or self.batch_invariant else "float weights")
             if why is None:  # a program built once per model, machine and batch size (io/compiled_cache.py)
                 self._compiled_decode = compiled_step.CachedDecode(self, builds)
+                from lmcli.models import compiled_prefill
+
+                if builds and compiled_prefill.pays_here():  # batch-1 prompts in chunks, beside the step
+                    self._compiled_prefill = compiled_prefill.CachedPrefill(self)
                 return True
             if not builds:
                 return False

@@ -241,12 +241,22 @@ def load(package: Path, model: BaseModel, meta: dict[str, Any]) -> Callable[...,
     loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
     constants = _constants(model, loader.get_constant_fqns(), meta.get("extra_constants"), meta.get("weight_layout"))
     loader.load_constants(constants, False, True, True)  # active buffer, every constant, the caller's memory
+    run = _runner(loader)
+    run.constants = constants  # type: ignore[attr-defined]  # kept alive as long as the program
+    return run
 
+
+def _load(package: Path) -> Callable[..., torch.Tensor]:
+    """A package that holds its own weights (the prefill's, models/compiled_prefill.py) as a function of
+    `step_inputs`' tuple."""
+    return _runner(torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1))
+
+
+def _runner(loader: Any) -> Callable[..., torch.Tensor]:
     def run(*args: Any) -> torch.Tensor:
         *tensors, keys, values, slots = args
         (logits,) = loader.boxed_run([*tensors, *keys, *values, *slots])  # the inputs in export's order
         return logits
-    run.constants = constants  # type: ignore[attr-defined]  # kept alive as long as the program
     return run
 
 

@@ -118,8 +118,9 @@ class AttentionInputs:
     # The dtype attention and the cache compute in, where the hidden states are wider (a quantized
     # model's float32 residual stream around bfloat16 matrix products); None: the hidden states' own.
     dtype: torch.dtype | None = None
-    # A one-token step's batch-invariant attention as tensors (gather index [B, P], additive mask
-    # [B, 1, 1, P]; models/compiled_step.py): what a compiled program takes instead of `row_plans`.
+    # Batch-invariant attention as tensors, for a one-token step or a prefill chunk (gather index [B, P],
+    # additive mask [B, T, 1, P]; models/compiled_step.py, compiled_prefill.py): what a compiled program
+    # takes instead of `row_plans`.
     row_gather: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
@@ -184,7 +185,7 @@ class Attention(nn.Module):
         if inputs.by_row and inputs.row_gather is not None:
             from lmcli.models.row_attention import attend_rows
 
-            out = attend_rows(q, k, v, *inputs.row_gather, self.scale)  # (B, 1, nh*hd)
+            out = attend_rows(q, k, v, *inputs.row_gather, self.scale)  # (B, T, nh*hd)
             return self.o_proj(_projection_input(self.o_proj, out, x.dtype))
         if inputs.by_row:
             by_row = self._attend_by_row(q, k, v, key_slots, inputs)  # (B, T, nh*hd)

@@ -135,25 +135,29 @@ def _attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: lis
 
 def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """A one-token step of the one-call-per-row path (`row_plans` with `one_call_per_row`) with the plan as
-    tensors: q (B, nh, 1, hd), k and v (B, nkv, S, hd), `index` [B, P] each row's keys in slot order (P a
-    multiple of KEY_BLOCK), `mask` [B, 1, 1, P] 0 for them, -inf for the padding after -> (B, 1, nh * hd).
-    One call per row, as `attend_by_row` makes; masked keys add exactly nothing."""
-    B, nh, _, hd = q.shape
+    """The one-call-per-row path (`row_plans` with `one_call_per_row`) with the plan as tensors, for a
+    one-token step or a chunk of T queries of rows without pad queries: q (B, nh, T, hd), k and v
+    (B, nkv, S, hd), `index` [B, P] each row's keys in slot order (P a multiple of KEY_BLOCK), `mask`
+    [B, T, 1, P] 0 for the keys each query sees, -inf for the rest -> (B, T, nh * hd). One call per row,
+    the row's queries as its batch, as `attend_by_row` makes; masked keys add exactly nothing."""
+    B, nh, T, hd = q.shape
     nkv = k.shape[1]
-    query = q.reshape(B, nkv, nh // nkv, hd)  # the query heads sharing a kv head as its rows
     rows = []
     for b in range(B):
+        query = q[b].reshape(nkv, nh // nkv, T, hd).permute(2, 0, 1, 3)  # (T, nkv, rep, hd): heads sharing a kv head
         keys, values = k[b:b + 1].index_select(2, index[b]), v[b:b + 1].index_select(2, index[b])  # (1, nkv, P, hd)
-        rows.append(F.scaled_dot_product_attention(query[b:b + 1], keys, values, attn_mask=mask[b:b + 1], scale=scale))
-    return torch.cat(rows).reshape(B, 1, nh * hd)
+        got = F.scaled_dot_product_attention(query, keys.expand(T, -1, -1, -1), values.expand(T, -1, -1, -1),
+                                             attn_mask=mask[b][:, None], scale=scale)  # (T, nkv, rep, hd)
+        rows.append(got.reshape(T, nh * hd))
+    return torch.stack(rows)  # (B, T, nh * hd)
 
 
 def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                 scale: float) -> torch.Tensor:
     """`attend_gathered` on one thread, as one op that a compiled program does not look into: the compiled
-    decode step (models/compiled_step.py) calls it back through torch's dispatcher, so its attention is
-    this very code under the one-thread rule, and a row's numbers do not follow the thread count there either."""
+    steps (models/compiled_step.py, compiled_prefill.py) call it back through torch's dispatcher, so their
+    attention is this very code under the one-thread rule, and a row's numbers do not follow the thread
+    count there either."""
     return torch.ops.lmcli.attend_rows(q, k, v, index, mask, scale)
 
 
@@ -165,7 +169,7 @@ def _attend_rows_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index
 
 def _attend_rows_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                        scale: float) -> torch.Tensor:
-    return q.new_empty((q.shape[0], 1, q.shape[1] * q.shape[3]))  # (B, 1, nh * hd): what export traces
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1] * q.shape[3]))  # (B, T, nh * hd): what export traces
 
 
 # A plain library op, not torch.library.custom_op: that one imports torch._dynamo (and inductor, 70 MB and
