@@ -145,11 +145,12 @@ QuantizeOption = Annotated[Quantize | None, _option(
     _one_of(Quantize), "Weights: int4/int8 quantize a float checkpoint at load; none dequantises a GGUF file. "
                        "Default: a GGUF file's own quantization, other checkpoints as stored.",
     "--quantize", "-q", panel=MODEL_PANEL)]
-CompileOption = Annotated[bool, _switch(
-    "--compile", "Run the decode step as a compiled program (CPU: built once per model, machine and batch size, "
-                 "minutes, then kept in the lmcli cache; CUDA: torch.compile with CUDA graphs). Falls back to "
-                 "eager, with a warning, if it fails.",
-    MODEL_PANEL)]
+CompileOption = Annotated[bool | None, _switch(
+    "--compile/--no-compile", "Run the decode step as a compiled program (CPU: built once per model, machine and "
+                 "batch size, a minute or more, then kept in the lmcli cache; CUDA: torch.compile with CUDA graphs). "
+                 "Falls back to eager, with a warning, if it fails. Default: a program already built for a quantized "
+                 "model runs a single prompt or chat; jobs decode eagerly (LMCLI_COMPILE=0: never, 1: as --compile).",
+    MODEL_PANEL, show_default=False)]
 ThreadsOption = Annotated[int | None, _option(
     "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "
          "'lmcli info'); OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT, when set, are kept.",
@@ -279,7 +280,7 @@ def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None 
 
 
 def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True, tp: int | None = None,
-          quantize: Quantize | None = None, compile_decode: bool = False):
+          quantize: Quantize | None = None, compile_decode: bool | None = False, job: bool = False):
     """Load the resolved model (with a spinner on a terminal); torch is imported here, not before."""
     import lmcli
 
@@ -290,8 +291,13 @@ def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True
             quantize=quantize.value if quantize is not None else None,
         )
     resume_collection()
-    if compile_decode:
+    from lmcli.models.compiled_step import compile_mode
+
+    mode = compile_mode(compile_decode, job)
+    if mode == "build":
         loaded.compile_decode()
+    elif mode == "cached":
+        loaded.compile_decode(builds=False)
     if text_tokenizer is None and need_tokenizer:
         raise TokenizerError(
             f"{where} has no tokenizer (tokenizer.json, tokenizer.model or GGUF vocabulary), so text cannot be"
@@ -319,7 +325,7 @@ def generate(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
-    compile_decode: CompileOption = False,
+    compile_decode: CompileOption = None,
     threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,
@@ -384,7 +390,7 @@ def generate(
 
     def load():
         loaded, loaded_tokenizer = _load(resolved, device, dtype, tp=tp, quantize=quantize,
-                                         compile_decode=compile_decode)
+                                         compile_decode=compile_decode, job=input_path is not None)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
         return speculation.wrap_loaded(speculate, (loaded, loaded_tokenizer), resolved)
@@ -481,7 +487,7 @@ def chat(
     device: DeviceOption = Device.auto,
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
-    compile_decode: CompileOption = False,
+    compile_decode: CompileOption = None,
     threads: ThreadsOption = None,
     *,
     decoding: DecodingFlags,

@@ -31,6 +31,7 @@ def pytest_configure(config):
     # Loads read the checkpoint itself (a test that patches loading code must see it run); the packed
     # cache's own tests (test_startup_packed.py) turn it on.
     os.environ.setdefault("LMCLI_PACKED_CACHE", "0")
+    os.environ.setdefault("LMCLI_COMPILE", "0")  # no compiled program runs unless a test asks (test_compile*.py)
 
 
 def pytest_unconfigure(config):

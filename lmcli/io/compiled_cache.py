@@ -2,20 +2,23 @@
 
 Building the decode step (models/compiled_step.py: torch.export, then AOTInductor's C++ compiler)
 takes minutes; loading the result takes a fraction of a second. An entry is one directory,
-`<lmcli cache>/compiled/<label>-b<batch>-<key digest>/`, holding the package `step.pt2` and
-`entry.json`: the key it was built under (the model's fingerprint, lmcli's model sources, torch's
-version, the CPU capability, the thread count, the batch size, dtype and kernel choices), the
-package's size and its SHA-256. It is checked before use; a stale or damaged entry is deleted with
+`<lmcli cache>/compiled/<label>-b<batch>-<key digest>/`, holding the package `step.pt2` (the program
+without the weights: the model's own tensors are given to it at load) and `entry.json`: the key it
+was built under (the model's fingerprint, lmcli's model sources, torch's version, the CPU capability,
+the thread count, the batch size, dtype and kernel choices), the package's size and its SHA-256, and
+what the builder recorded to load it (`program`). It is checked before use; a stale or damaged entry is deleted with
 one `note:` line and built again. A build fills a hidden staging directory beside the entry and
 renames it into place when complete (io/atomic.py), so a build killed midway leaves nothing that
 looks like an entry (the next build for it removes the leftovers), and two processes building at
-once each place a whole entry.
+once each place a whole entry. A new entry replaces the ones it supersedes: the same model, machine,
+thread count and batch size built by another lmcli or torch (`remove_superseded`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -32,7 +35,7 @@ from lmcli.fingerprint import source_digest
 if TYPE_CHECKING:
     from torch import nn
 
-FORMAT = 1  # bump when what an entry holds or means changes
+FORMAT = 2  # bump when what an entry holds or means changes
 PACKAGE, META = "step.pt2", "entry.json"
 MAX_META = 1 << 20  # an entry.json claiming more is not one of ours
 PIECE = 1 << 16  # bytes of each tensor checksummed for the model's fingerprint
@@ -104,6 +107,21 @@ def _sha256(path: Path) -> str:
 
 def check(entry: Path, key: dict[str, Any]) -> Path:
     """The entry's package if the entry is whole and was built under `key`; else Damaged (one line)."""
+    return _check(entry, key)[0]
+
+
+def has_entry(label: str, key: dict[str, Any]) -> bool:
+    """Whether an entry for `key` looks complete (cheap: it is checked in full when it is used)."""
+    return (entry_path(label, key) / META).is_file()
+
+
+def any_entry(label: str, batch_size: int) -> bool:
+    """Whether any entry for this label and batch size looks complete: a directory listing, no key
+    computed (the model's fingerprint costs tens of milliseconds, too much for every start)."""
+    return root().is_dir() and any((entry / META).is_file() for entry in root().glob(f"{label}-b{batch_size}-*"))
+
+
+def _check(entry: Path, key: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     meta_path, package = entry / META, entry / PACKAGE
     try:
         if meta_path.stat().st_size > MAX_META:
@@ -116,25 +134,37 @@ def check(entry: Path, key: dict[str, Any]) -> Path:
         raise Damaged("built for another model, lmcli, torch, CPU, thread count or batch size")
     if meta.get("size") != size or meta.get("sha256") != _sha256(package):
         raise Damaged(f"{PACKAGE} is not the file that was built (size or checksum differs)")
-    return package
+    program = meta.get("program", {})
+    if not isinstance(program, dict):
+        raise Damaged(f"{META} is not one this cache writes")
+    return package, program
 
 
-def discard(entry: Path, why: str) -> None:
-    """Delete a stale or damaged entry, saying so in one line."""
-    sys.stderr.write(f"note: {entry}: {why}; building it again\n")
+def discard(entry: Path, why: str, then: str = "building it again") -> None:
+    """Delete a stale or damaged entry, saying so in one line (and what happens `then`)."""
+    sys.stderr.write(f"note: {entry}: {why}; {then}\n")
     shutil.rmtree(entry, ignore_errors=True)
 
 
-def obtain(label: str, key: dict[str, Any], build: Callable[[Path], None], what: str) -> Path:
+def obtain(label: str, key: dict[str, Any], build: Callable[[Path], Any], what: str) -> Path:
     """The checked package for `key`: the cache's, else one `build(path)` writes now, placed in the cache.
 
     Raises Unavailable (one line) where it can be neither read nor built and written."""
+    return obtain_entry(label, key, build, what)[0]
+
+
+def obtain_entry(label: str, key: dict[str, Any], build: Callable[[Path], dict[str, Any] | None] | None,
+                 what: str) -> tuple[Path, dict[str, Any]]:
+    """`obtain`, with what `build` returned when it wrote the package (kept in entry.json as `program`).
+    `build` None: only an entry already in the cache; Unavailable where there is none."""
     entry = entry_path(label, key)
     if entry.exists():
         try:
-            return check(entry, key)
+            return _check(entry, key)
         except Damaged as exc:
-            discard(entry, str(exc))
+            discard(entry, str(exc), "building it again" if build is not None else "decoding eagerly")
+    if build is None:
+        raise Unavailable(f"no compiled program for {what} in {entry.parent}")
     from lmcli.io.atomic import make_staging_directory, replace_directory
 
     try:
@@ -147,29 +177,66 @@ def obtain(label: str, key: dict[str, Any], build: Callable[[Path], None], what:
         sys.stderr.flush()
         start = time.perf_counter()
         try:
-            build(staging / PACKAGE)
+            program = build(staging / PACKAGE) or {}
         except Exception as exc:  # any compiler failure: no C++ compiler, an op it cannot lower, a full disk ...
             sys.stderr.write("failed\n")
             raise Unavailable(f"building it failed: {first_line(exc)[:160]}") from None
         package = staging / PACKAGE
         seconds = round(time.perf_counter() - start, 1)
         size = package.stat().st_size
-        meta = {"key": key, "size": size, "sha256": _sha256(package), "built_s": seconds}
+        meta = {"key": key, "size": size, "sha256": _sha256(package), "built_s": seconds, "program": program}
         (staging / META).write_text(json.dumps(meta, indent=1))  # written last: an entry without it is incomplete
         staging.chmod(0o755)
         if entry.exists():  # another process placed its own meanwhile: keep the one that checks out
             try:
-                found = check(entry, key)
+                found = _check(entry, key)
                 shutil.rmtree(staging, ignore_errors=True)
                 sys.stderr.write(f"done in {seconds:.0f} s (another process's copy kept)\n")
                 return found
             except Damaged:
                 pass
         replace_directory(staging, entry)
-        sys.stderr.write(f"done in {seconds:.0f} s, {size / 2**20:.0f} MiB, kept in {entry.parent}\n")
-        return entry / PACKAGE
+        sys.stderr.write(f"done in {seconds:.0f} s, {size / 2**20:.1f} MiB, kept in {entry.parent}\n")
+        remove_superseded(entry, key)
+        return entry / PACKAGE, program
     except OSError as exc:
         raise Unavailable(f"cannot write the compiled-program cache {entry.parent} ({exc.strerror or exc})") from None
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+# What an entry supersedes differs from it only here: another build of lmcli or torch (or of this
+# cache's format) for the same model, machine, thread count and batch size. No process of the new
+# version can use it; one of the old version may, so only entries older than the new one go.
+REPLACED_BY_UPGRADE = ("format", "code", "torch")
+
+
+def remove_superseded(entry: Path, key: dict[str, Any]) -> list[Path]:
+    """Remove the entries `entry` (just placed, built under `key`) supersedes; -> those removed. Each is
+    renamed to a hidden name first, so a reader sees a whole entry or none."""
+    removed: list[Path] = []
+    same = {name: value for name, value in key.items() if name not in REPLACED_BY_UPGRADE}
+    try:
+        newest = (entry / META).stat().st_mtime
+    except OSError:
+        return removed
+    for other, _ in entries():
+        if other == entry:
+            continue
+        try:
+            if (other / META).stat().st_size > MAX_META or (other / META).stat().st_mtime > newest:
+                continue
+            meta = json.loads((other / META).read_bytes())
+            theirs = meta.get("key") if isinstance(meta, dict) else None
+            if not isinstance(theirs, dict) or theirs == key:
+                continue
+            if {name: value for name, value in theirs.items() if name not in REPLACED_BY_UPGRADE} != same:
+                continue
+            hidden = other.with_name(f".{other.name}.superseded-{os.getpid()}")
+            os.replace(other, hidden)
+        except (OSError, ValueError):
+            continue
+        shutil.rmtree(hidden, ignore_errors=True)
+        removed.append(other)
+    return removed

@@ -185,8 +185,11 @@ class BaseModel(WeightCounting, nn.Module):
 
     # --- torch.compile for decode steps (opt-in) -----------------------------------------------------
 
-    def compile_decode(self) -> bool:
+    def compile_decode(self, builds: bool = True) -> bool:
         """Run single-token decode steps through torch.compile from now on (prefill stays eager).
+
+        `builds` False (`--compile auto`): only the CPU programs already in the cache are used, nothing is
+        built or compiled, and nothing is said; returns whether any may run.
 
         CPU: inductor, the step's length of history left dynamic (one recompile after the first step,
         then none). CUDA: mode "reduce-overhead" (CUDA graphs), attending over the whole cache so
@@ -195,20 +198,27 @@ class BaseModel(WeightCounting, nn.Module):
         models (collectives in forward hooks) stay eager; returns False for them, else True.
         """
         if getattr(self, "tensor_parallel", None) is not None:
-            sys.stderr.write("warning: --compile is not supported with --tp; decoding without it\n")
+            if builds:
+                sys.stderr.write("warning: --compile is not supported with --tp; decoding without it\n")
             return False
         if self.device.type == "cpu" and not os.environ.get("LMCLI_COMPILE_JIT"):
             from lmcli.models import compiled_step
 
-            why = compiled_step.unsupported(self)
+            # `auto` only where the eager path is itself not pinned to transformers' numbers (quantized
+            # weights on the batch-invariant path): float checkpoints stay eager unless asked.
+            why = compiled_step.unsupported(self) or (None if builds or self.batch_invariant else "float weights")
             if why is None:  # a program built once per model, machine and batch size (io/compiled_cache.py)
-                self._compiled_decode = compiled_step.CachedDecode(self)
+                self._compiled_decode = compiled_step.CachedDecode(self, builds)
                 from lmcli.models import compiled_prefill
 
-                if compiled_prefill.pays_here():  # batch-1 prompts in chunks, beside the step
+                if builds and compiled_prefill.pays_here():  # batch-1 prompts in chunks, beside the step
                     self._compiled_prefill = compiled_prefill.CachedPrefill(self)
                 return True
+            if not builds:
+                return False
             sys.stderr.write(f"note: --compile: {why}; compiling with torch.compile in this process\n")
+        if not builds:
+            return False
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         self._compiled_decode = torch.compile(self._forward_slots, mode=mode)
         return True

@@ -2,17 +2,19 @@
 
 `torch.compile` traces the step again in every process; here it is exported once (every tensor an
 input: the token, its position, the cache's keys and values, which it updates in place), compiled to
-a shared library with the weights inside, and loaded back in later processes in about a second
-(io/compiled_cache.py keeps the builds). Only what the exported graph can express is built: full
+a shared library without the weights (the model's own packed tensors are handed to it at load, not
+copied), and loaded back in later processes in a fraction of a second (io/compiled_cache.py keeps the
+builds). Only what the exported graph can express is built: full
 (non-rolling) caches, and, on the batch-invariant path, the one-call-per-row attention (bfloat16,
 no window, no softcap), whose per-row key plan is computed here on the host as two tensors.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from lmcli.config import SLIDING
-from lmcli.errors import first_line
+from lmcli.errors import UsageError, first_line
 from lmcli.io import compiled_cache
 from lmcli.models.row_attention import KEY_BLOCK
 
@@ -30,10 +32,34 @@ if TYPE_CHECKING:
 BaseModel = Any  # models/base.py's BaseModel, which imports this module (no import circle, even for types)
 
 
-# Batch sizes a program is built for. Measured: inductor's program for a batch of 2 rows (a tiny int4
-# llama, torch 2.13 CPU) computed the unpadded row's logits wrongly (max error 2.6 on logits of 3.4),
-# while at batch 1 it agrees with eager within bfloat16 rounding; so larger batches decode eagerly.
-BATCH_SIZES = (1,)
+# A program is built per batch size, up to this many rows (a larger batch decodes eagerly). The program
+# takes each input with the strides it was exported with: the loop's token and position columns are
+# views of wider buffers, so they are made contiguous first (a row > 0 read another row's memory).
+MAX_BATCH = 16
+# Constants the program holds itself, not the model's tensors: the int4 kernel's group sizes inductor
+# makes, the rotary frequencies. Kept in the entry as numbers; more than this many values is refused.
+MAX_EXTRA_VALUES = 1 << 16
+EXTRA_DTYPES = ("float32", "float64", "bfloat16", "float16", "int64", "int32", "bool")
+
+
+COMPILE_VAR = "LMCLI_COMPILE"
+
+
+def compile_mode(flag: bool | None, job: bool, env: Mapping[str, str] = os.environ) -> str:
+    """How the CLI decodes: "build" (--compile, LMCLI_COMPILE=1: programs built where missing), "cached"
+    (the default for a single prompt and chat: the programs already built run, nothing is built), "off"
+    (--no-compile, LMCLI_COMPILE=0, and a job by default: its rows' tokens stay those of eager decoding,
+    whatever --batch-size). The flag wins over the variable."""
+    if flag is not None:
+        return "build" if flag else "off"
+    value = env.get(COMPILE_VAR, "").strip().lower()
+    if value in ("0", "off", "no", "false"):
+        return "off"
+    if value in ("1", "on", "yes", "true"):
+        return "build"
+    if value not in ("", "auto"):
+        raise UsageError(f"{COMPILE_VAR}={value!r}: use 0 (eager), 1 (as --compile) or auto")
+    return "off" if job else "cached"
 
 
 def unsupported(model: BaseModel) -> str | None:
@@ -92,6 +118,12 @@ def step_inputs(model: BaseModel, input_ids: torch.Tensor, positions: torch.Tens
                 slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int) -> tuple[Any, ...]:
     index, mask = decode_plan(slot_is_token, slot_end, model.dtype)
     history = torch.empty(slot_end, dtype=torch.bool)  # only its length is read: the step's history as a size
+    # The program reads its inputs with export's (contiguous) strides; the cache is written in place, so
+    # it must already be contiguous (it is allocated so).
+    if not all(t.is_contiguous() for layer in cache.layers for t in (layer.keys, layer.values, layer.slots)):
+        raise compiled_cache.Unavailable("the KV cache is not contiguous")
+    input_ids, positions = input_ids.contiguous(), positions.contiguous()
+    query_slots, slot_is_token = query_slots.contiguous(), slot_is_token.contiguous()
     return (input_ids, positions, query_slots, slot_is_token, history, index, mask,
             [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
             [layer.slots for layer in cache.layers])
@@ -107,19 +139,93 @@ def export_step(model: BaseModel, cache: ModelCache, example: tuple[Any, ...]) -
         return torch.export.export(DecodeStep(model), example, dynamic_shapes=shapes, strict=False)
 
 
-def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> None:
-    """Export the step on `example`'s shapes (the lengths left dynamic) and compile it to `package`."""
+def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> dict[str, Any]:
+    """Export the step on `example`'s shapes (the lengths left dynamic) and compile it to `package`, without
+    the weights. -> what the entry keeps to load it (`extra_constants`, `weight_layout`)."""
     with warnings.catch_warnings():  # torch's own deprecation notices, which would break the progress line
         warnings.simplefilter("ignore")
-        _build(model, cache, example, package)
+        return _build(model, cache, example, package)
 
 
-def _build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> None:
+def _build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> dict[str, Any]:
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
     program = export_step(model, cache, example)
+    made: dict[str, torch.Tensor] = {}  # the constants inductor adds itself (the int4 kernel's group size)
+    add_constant = GraphLowering.add_tensor_constant
+
+    def add_and_keep(graph: Any, data: torch.Tensor, name: str | None = None) -> Any:
+        buffer = add_constant(graph, data, name)
+        made[buffer.get_name()] = data.detach().clone()
+        return buffer
+
     # Half-precision intermediates rounded where eager rounds them (inductor otherwise keeps a fused
-    # chain in float32): the program's logits then follow eager's more closely.
-    configs = {"emulate_precision_casts": True}
-    torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+    # chain in float32): the program's logits then follow eager's more closely. The weights stay out
+    # of the library: the model's own tensors are given to it at load (`load`).
+    configs = {"emulate_precision_casts": True, "aot_inductor.package_constants_in_so": False}
+    with mock.patch.object(GraphLowering, "add_tensor_constant", add_and_keep):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(package), inductor_configs=configs)
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    extra, layout = {}, {}
+    for fqn in loader.get_constant_fqns():
+        tensor = _model_tensor(model, fqn)
+        if tensor is not None:
+            layout[fqn] = _layout(tensor)
+            continue
+        value = program.constants.get(fqn, made.get(fqn))
+        if value is None:
+            raise RuntimeError(f"the program takes a constant {fqn} that is neither the model's nor known")
+        extra[fqn] = {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape),
+                      "values": value.reshape(-1).tolist()}
+    if sum(len(value["values"]) for value in extra.values()) > MAX_EXTRA_VALUES:
+        raise RuntimeError("the program's own constants are larger than the entry keeps")
+    return {"extra_constants": extra, "weight_layout": layout}
+
+
+def _model_tensor(model: BaseModel, fqn: str) -> torch.Tensor | None:
+    """The model's tensor at `fqn` (DecodeStep's name: "model." then the attribute path), or None."""
+    head, _, path = fqn.partition(".")
+    found: Any = model if head == "model" else None
+    for part in path.split(".") if found is not None else ():
+        found = getattr(found, part, None)
+    return found if isinstance(found, torch.Tensor) else None
+
+
+def _layout(tensor: torch.Tensor) -> list[Any]:
+    return [str(tensor.dtype), list(tensor.shape), list(tensor.stride())]
+
+
+def _constants(model: BaseModel, fqns: list[str], extra: Any, layout: Any) -> dict[str, torch.Tensor]:
+    """The tensors for the program's constants `fqns`: the model's own (each as laid out when built) and
+    the entry's few numbers. Raises ValueError (one line) for an entry that does not fit the model."""
+    if not isinstance(extra, dict) or not isinstance(layout, dict):
+        raise ValueError("the entry does not list the program's constants")
+    constants = {}
+    for fqn in fqns:
+        tensor = _model_tensor(model, fqn)
+        if tensor is not None:
+            if layout.get(fqn) != _layout(tensor):
+                raise ValueError(f"the model's {fqn} is not laid out as when the program was built")
+            constants[fqn] = tensor.detach()
+            continue
+        value = extra.get(fqn)
+        if not isinstance(value, dict) or value.get("dtype") not in EXTRA_DTYPES:
+            raise ValueError(f"the entry has no value for the program's constant {fqn}")
+        shape, values = value.get("shape"), value.get("values")
+        if (not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape)
+                or not isinstance(values, list) or len(values) > MAX_EXTRA_VALUES or len(values) != _numel(shape)):
+            raise ValueError(f"the entry's value for {fqn} is malformed")
+        constants[fqn] = torch.tensor(values, dtype=getattr(torch, value["dtype"])).reshape(shape)
+    return constants
+
+
+def _numel(shape: list[int]) -> int:
+    count = 1
+    for n in shape:
+        count *= n
+    return count
 
 
 def label(model: BaseModel) -> str:
@@ -128,11 +234,25 @@ def label(model: BaseModel) -> str:
     return f"{getattr(config, 'model_type', 'model')}-{config.hidden_size}x{config.num_hidden_layers}"
 
 
-def _load(package: Path) -> Callable[..., torch.Tensor]:
-    """The package's program as a function of `step_inputs`' tuple. Through torch's loader itself:
-    `torch._inductor.aoti_load_package` first imports inductor (5 s of a fresh process here, 0.2 s this)."""
+def load(package: Path, model: BaseModel, meta: dict[str, Any]) -> Callable[..., torch.Tensor]:
+    """The package's program as a function of `step_inputs`' tuple, running on the model's own weights
+    (given by reference: nothing copied). Through torch's loader itself: `torch._inductor.aoti_load_package`
+    first imports inductor (5 s of a fresh process here, 0.2 s this)."""
     loader = torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1)
+    constants = _constants(model, loader.get_constant_fqns(), meta.get("extra_constants"), meta.get("weight_layout"))
+    loader.load_constants(constants, False, True, True)  # active buffer, every constant, the caller's memory
+    run = _runner(loader)
+    run.constants = constants  # type: ignore[attr-defined]  # kept alive as long as the program
+    return run
 
+
+def _load(package: Path) -> Callable[..., torch.Tensor]:
+    """A package that holds its own weights (the prefill's, models/compiled_prefill.py) as a function of
+    `step_inputs`' tuple."""
+    return _runner(torch._C._aoti.AOTIModelPackageLoader(str(package), "model", False, 1, -1))
+
+
+def _runner(loader: Any) -> Callable[..., torch.Tensor]:
     def run(*args: Any) -> torch.Tensor:
         *tensors, keys, values, slots = args
         (logits,) = loader.boxed_run([*tensors, *keys, *values, *slots])  # the inputs in export's order
@@ -145,10 +265,12 @@ class CachedDecode:
     batch size, read from the cache of compiled programs (io/compiled_cache.py) or built at its first step.
     Raises compiled_cache.Unavailable (one line) where there is none; the model then decodes eagerly."""
 
-    def __init__(self, model: BaseModel):
+    def __init__(self, model: BaseModel, builds: bool = True):
         self.model = model
+        self.builds = builds  # False: only programs already in the cache run, other batch sizes decode eagerly
         self.runners: dict[int, Callable[..., torch.Tensor]] = {}
-        self.noted = False  # the note on a batch size without a program, said once
+        self.eager: set[int] = set()  # batch sizes without a program here
+        self.threads: dict[int, int] = {}  # the thread count each batch size's program was built for
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                  slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int, last_only: bool) -> torch.Tensor:
@@ -157,29 +279,70 @@ class CachedDecode:
         if not all(type(layer) is KVCache for layer in cache.layers):
             raise compiled_cache.Unavailable("this cache has rolling layers, which the program does not take")
         batch = input_ids.shape[0]
-        if batch not in BATCH_SIZES:
-            if not self.noted:
-                self.noted = True
+        runner = self.runners.get(batch)
+        if runner is None and batch not in self.eager:
+            if batch > MAX_BATCH and self.builds:
                 sys.stderr.write(f"note: --compile: a batch of {batch} rows decodes eagerly (programs are built "
-                                 f"for batch {', '.join(map(str, BATCH_SIZES))} only)\n")
+                                 f"for at most {MAX_BATCH} rows)\n")
+            if batch > MAX_BATCH or not (self.builds or self._built(batch)):
+                self.eager.add(batch)
+        if batch in self.eager:
             return self.model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end,
                                              last_only)
         args = step_inputs(self.model, input_ids, positions, query_slots, slot_is_token, cache, slot_end)
-        runner = self.runners.get(batch)
         if runner is None:
-            runner = self.runners[batch] = self._runner(batch, cache, args)
-        return runner(*args)
+            try:
+                runner = self.runners[batch] = self._runner(batch, cache, args)
+            except compiled_cache.Unavailable:
+                if self.builds:
+                    raise
+                self.eager.add(batch)  # by default: the entry was damaged (said and deleted), so eager
+                return self.model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
+                                                 slot_end, last_only)
+        built = self.threads[batch]
+        if torch.get_num_threads() <= built:
+            return runner(*args)
+        # More threads than it was built for: inductor sizes a parallel reduction's per-thread partials by
+        # the build's count (seen in the generated C++: `tmp_acc0_arr[2]` indexed by omp_get_thread_num()),
+        # so the program never runs on more (lmcli's count may rise with the load falling).
+        more = torch.get_num_threads()
+        torch.set_num_threads(built)
+        try:
+            return runner(*args)
+        finally:
+            torch.set_num_threads(more)
 
     def _runner(self, batch: int, cache: ModelCache, example: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
         model, name = self.model, label(self.model)
-        key = compiled_cache.cache_key(model, batch)
+        key = self._key(batch)
+        self.threads[batch] = key["threads"]
         what = f"the decode step of {name} for batch {batch}"
         for attempt in range(2):
-            package = compiled_cache.obtain(name, key, lambda path: build(model, cache, example, path), what)
+            builder = (lambda path: build(model, cache, example, path)) if self.builds else None
+            package, meta = compiled_cache.obtain_entry(name, key, builder, what)
             try:
-                return _load(package)
+                return load(package, model, meta)
             except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
                 if attempt:
                     raise compiled_cache.Unavailable(f"loading {package} failed: {first_line(exc)[:160]}") from None
-                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})")
+                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})",
+                                       "building it again" if self.builds else "decoding eagerly")
+                if not self.builds:
+                    raise compiled_cache.Unavailable("no loadable program") from None
         raise AssertionError("unreachable")
+
+    def _key(self, batch: int) -> dict[str, Any]:
+        """The key of the program to run at `batch` rows: built for this thread count, else one already built
+        for another (any runs at any count, never on more threads than its own: see __call__), more threads
+        first; where there is none, this count's (to be built). A changed thread count builds nothing."""
+        key = compiled_cache.cache_key(self.model, batch)
+        threads, most = key["threads"], max(os.cpu_count() or 1, key["threads"])
+        for count in [threads, *range(threads + 1, most + 1), *range(threads - 1, 0, -1)]:
+            if compiled_cache.has_entry(label(self.model), dict(key, threads=count)):
+                return dict(key, threads=count)
+        return key
+
+    def _built(self, batch: int) -> bool:
+        """Whether the cache holds a whole entry for `batch` rows now (checked again when it is loaded)."""
+        name = label(self.model)
+        return compiled_cache.any_entry(name, batch) and compiled_cache.has_entry(name, self._key(batch))

@@ -183,9 +183,9 @@ class Attention(nn.Module):
         else:
             k, v, key_slots = cache.update(k, v, inputs.query_slots, inputs.slot_end)  # (B, nkv, S, hd), [S]
         if inputs.by_row and inputs.row_gather is not None:
-            from lmcli.models.row_attention import attend_gathered
+            from lmcli.models.row_attention import attend_rows
 
-            out = attend_gathered(q, k, v, *inputs.row_gather, self.scale)  # (B, T, nh*hd)
+            out = attend_rows(q, k, v, *inputs.row_gather, self.scale)  # (B, T, nh*hd)
             return self.o_proj(_projection_input(self.o_proj, out, x.dtype))
         if inputs.by_row:
             by_row = self._attend_by_row(q, k, v, key_slots, inputs)  # (B, T, nh*hd)

@@ -150,3 +150,32 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
                                              attn_mask=mask[b][:, None], scale=scale)  # (T, nkv, rep, hd)
         rows.append(got.reshape(T, nh * hd))
     return torch.stack(rows)  # (B, T, nh * hd)
+
+
+def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`attend_gathered` on one thread, as one op that a compiled program does not look into: the compiled
+    steps (models/compiled_step.py, compiled_prefill.py) call it back through torch's dispatcher, so their
+    attention is this very code under the one-thread rule, and a row's numbers do not follow the thread
+    count there either."""
+    return torch.ops.lmcli.attend_rows(q, k, v, index, mask, scale)
+
+
+def _attend_rows_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    with _one_thread(q.device):
+        return attend_gathered(q, k, v, index, mask, scale)
+
+
+def _attend_rows_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+    return q.new_empty((q.shape[0], q.shape[2], q.shape[1] * q.shape[3]))  # (B, T, nh * hd): what export traces
+
+
+# A plain library op, not torch.library.custom_op: that one imports torch._dynamo (and inductor, 70 MB and
+# seconds) at its first call, in every process that runs a program.
+_LIBRARY = torch.library.Library("lmcli", "DEF")
+_LIBRARY.define("attend_rows(Tensor q, Tensor k, Tensor v, Tensor index, Tensor mask, float scale) -> Tensor")
+_LIBRARY.impl("attend_rows", _attend_rows_kernel, "CPU")
+_LIBRARY.impl("attend_rows", _attend_rows_kernel, "CUDA")
+_LIBRARY.impl("attend_rows", _attend_rows_shape, "Meta")
