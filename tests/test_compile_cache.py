@@ -16,12 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 from real_models import smollm2_gguf  # noqa: F401 (fixture)
-from tiny import left_pad, prompts, save_reference
+from tiny import (
+    left_pad,
+    prompts,
+    save_reference,
+    tiny_int4,  # noqa: F401 (fixture)
+)
 
 import lmcli
 from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.io import compiled_cache
-from lmcli.models import compiled_step, kernel_plan
+from lmcli.models import compiled_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -45,18 +50,6 @@ def _writer(content: bytes = b"program"):
 
 
 # --- the program against eager decoding --------------------------------------------------------
-
-
-@pytest.fixture
-def tiny_int4(tmp_path, cache, monkeypatch):
-    """A tiny llama quantized to int4 at load: bfloat16 products, batch-invariant attention (as the default model)."""
-    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
-    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
-    kernel_plan._cached_plans.cache_clear()
-    save_reference("llama", tmp_path / "llama")
-    model, _ = lmcli.load(tmp_path / "llama", quantize="int4")
-    yield model
-    kernel_plan._cached_plans.cache_clear()
 
 
 def _eager_and_step_logits(model, ids, mask, n, forced=None):

@@ -13,13 +13,16 @@ import itertools
 import pytest
 import torch
 from real_models import smollm2_gguf  # noqa: F401 (fixture)
-from tiny import prompts, save_reference
+from tiny import (
+    prompts,
+    tiny_int4,  # noqa: F401 (fixture)
+)
 
 import lmcli
 from lmcli.bench_models import TEXT_PROMPTS
 from lmcli.generation.loop import positions_from_mask
 from lmcli.io import compiled_cache
-from lmcli.models import compiled_prefill, compiled_step, kernel_plan
+from lmcli.models import compiled_prefill, compiled_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,19 +35,6 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(directory))
     monkeypatch.setattr(compiled_prefill, "CHUNK", CHUNK)
     return directory
-
-
-@pytest.fixture
-def tiny_int4(tmp_path, cache, monkeypatch):
-    """A tiny llama quantized to int4 at load: bfloat16 products, batch-invariant attention (as the default model)."""
-    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
-    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
-    kernel_plan._cached_plans.cache_clear()
-    save_reference("llama", tmp_path / "llama")
-    model, _ = lmcli.load(tmp_path / "llama", quantize="int4")
-    assert model.batch_invariant and model.dtype == torch.bfloat16
-    yield model
-    kernel_plan._cached_plans.cache_clear()
 
 
 def _prefill(model, ids, capacity=60, chunk=None):

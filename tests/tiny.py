@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 VOCAB = 97
@@ -88,3 +89,20 @@ def left_pad(rows, pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, width - len(row):] = row
         mask[i, width - len(row):] = 1
     return ids, mask
+
+
+@pytest.fixture
+def tiny_int4(tmp_path, cache, monkeypatch):
+    """A tiny llama quantized to int4 at load: bfloat16 products, batch-invariant attention (as the default
+    model). `cache`: the requesting module's fixture that points LMCLI_CACHE_DIR at a scratch cache."""
+    import lmcli
+    from lmcli.models import kernel_plan
+
+    monkeypatch.delenv("LMCLI_KERNEL", raising=False)
+    monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
+    kernel_plan._cached_plans.cache_clear()
+    save_reference("llama", tmp_path / "llama")
+    model, _ = lmcli.load(tmp_path / "llama", quantize="int4")
+    assert model.batch_invariant and model.dtype == torch.bfloat16
+    yield model
+    kernel_plan._cached_plans.cache_clear()
