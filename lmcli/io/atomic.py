@@ -70,8 +70,9 @@ def write_atomically(target: str | Path, data: str | bytes, durable: bool = Fals
 
 
 def make_staging_directory(target: Path) -> Path:
-    """A hidden temporary directory beside `target`, to fill and then hand to `replace_directory`;
-    those that processes now gone left for the same target are removed first."""
+    """A hidden temporary directory beside `target` (its parent made if missing), to fill and then hand
+    to `replace_directory`; those that processes now gone left for the same target are removed first."""
+    target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(target)
     return Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-{os.getpid()}-", dir=target.parent))
 
@@ -112,7 +113,6 @@ def atomic_directory(target: str | Path) -> Iterator[Path]:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise UsageError(f"{target}: exists and is not an empty directory; choose a new output directory")
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
         work = make_staging_directory(target)
     except OSError as exc:
         raise LmcliError(f"{target}: cannot create the output directory ({exc.strerror or exc})") from None

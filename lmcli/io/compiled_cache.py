@@ -168,7 +168,6 @@ def obtain_entry(label: str, key: dict[str, Any], build: Callable[[Path], dict[s
     from lmcli.io.atomic import make_staging_directory, replace_directory
 
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
         staging = make_staging_directory(entry)
     except OSError as exc:
         raise Unavailable(f"cannot write the compiled-program cache {entry.parent} ({exc.strerror or exc})") from None
