@@ -77,11 +77,7 @@ print(json.dumps({"tokens_per_second": n / run(n)}))
 
 
 def _llama_cpp_child(path: str, tokens: int, env: dict[str, str]) -> dict[str, Any] | None:
-    result = subprocess.run([sys.executable, "-c", _LLAMA_CPP_CHILD, path, str(tokens), PROMPT], env=env,
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode != 0 or not result.stdout.strip():
-        return None
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return _figures(_LLAMA_CPP_CHILD, [path, str(tokens), PROMPT], env, timeout=600)
 
 
 def _has_llama_cpp(path: str) -> bool:
@@ -91,9 +87,13 @@ def _has_llama_cpp(path: str) -> bool:
 
 
 def _child(path: str, compiled: bool, tokens: int, env: dict[str, str], batch: int) -> dict[str, Any] | None:
-    result = subprocess.run([sys.executable, "-c", _CHILD, path, "1" if compiled else "0", str(tokens), PROMPT,
-                             str(batch)],
-                            env=env, capture_output=True, text=True, timeout=3600)
+    return _figures(_CHILD, [path, "1" if compiled else "0", str(tokens), PROMPT, str(batch)], env, timeout=3600)
+
+
+def _figures(script: str, args: list[str], env: dict[str, str], timeout: int) -> dict[str, Any] | None:
+    """The JSON object `script` prints last, run in a fresh process; None where it failed."""
+    result = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                            timeout=timeout)
     if result.returncode != 0 or not result.stdout.strip():
         return None
     return json.loads(result.stdout.strip().splitlines()[-1])
