@@ -52,11 +52,8 @@ def chunk_inputs(model: BaseModel, input_ids: torch.Tensor, positions: torch.Ten
                  slot_is_token: torch.Tensor, cache: ModelCache) -> tuple[Any, ...]:
     """`DecodeStep`'s inputs for one chunk (its last query slot + 1 is the history's length)."""
     end = int(query_slots[-1]) + 1
-    index, mask = chunk_plan(slot_is_token, query_slots, end, model.dtype)
-    history = torch.empty(end, dtype=torch.bool)  # only its length is read
-    return (input_ids, positions, query_slots, slot_is_token, history, index, mask,
-            [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-            [layer.slots for layer in cache.layers])
+    return compiled_step.program_inputs(input_ids, positions, query_slots, slot_is_token, cache, end,
+                                        chunk_plan(slot_is_token, query_slots, end, model.dtype))
 
 
 def example(model: BaseModel) -> tuple[ModelCache, tuple[Any, ...]]:

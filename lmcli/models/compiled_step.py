@@ -116,7 +116,16 @@ class DecodeStep(nn.Module):
 
 def step_inputs(model: BaseModel, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                 slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int) -> tuple[Any, ...]:
-    index, mask = decode_plan(slot_is_token, slot_end, model.dtype)
+    return program_inputs(input_ids, positions, query_slots, slot_is_token, cache, slot_end,
+                          decode_plan(slot_is_token, slot_end, model.dtype))
+
+
+def program_inputs(input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+                   slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int,
+                   plan: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, ...]:
+    """`DecodeStep`'s inputs, flat, for a call whose history ends at `slot_end`, with its key `plan`
+    (index, mask): a one-token step's (`decode_plan`) or a prefill chunk's (compiled_prefill.chunk_plan)."""
+    index, mask = plan
     history = torch.empty(slot_end, dtype=torch.bool)  # only its length is read: the step's history as a size
     # The program reads its inputs with export's (contiguous) strides; the cache is written in place, so
     # it must already be contiguous (it is allocated so).
