@@ -133,7 +133,9 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     # placed in the model as it is read, so the whole checkpoint is never held twice.
     quantized_load = quantize in ("int4", "int8") or (quantize is None and resolved.kind == "gguf")
     stored_kinds: list[str] = []  # the file's own quantized forms, one per tensor
-    tokenizer_json = None  # what a packed entry stores of the tokenizer (io/packed_cache.py)
+    # What a packed entry keeps of the tokenizer (io/packed_cache.py): the file's own, with its JSON
+    # taken before the weights are placed, whatever --tokenizer replaces it with for this run.
+    stored_tokenizer: tuple[Tokenizer, torch.Tensor] | None = None
     weights: Iterator[tuple[str, Any]]
 
     packed = _packed_entry(resolved, quantize, dtype, device, tp)
@@ -168,7 +170,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         if packed is not None and tokenizer is not None:
             from lmcli.io import packed_cache
 
-            tokenizer_json = packed_cache.tokenizer_bytes(tokenizer)
+            stored_tokenizer = (tokenizer, packed_cache.tokenizer_bytes(tokenizer))
         if quantized_load:
             gguf.forget_vocabulary()
         release_freed_memory()  # the vocabulary's strings and the JSON's temporaries, before the weights
@@ -225,8 +227,9 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     if packed is not None and type(built) is BaseModel:
         from lmcli.io import packed_cache
 
-        packed_cache.save(built, tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
-        del tokenizer_json
+        file_tokenizer, tokenizer_json = stored_tokenizer or (None, None)
+        packed_cache.save(built, file_tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
+        del stored_tokenizer, file_tokenizer, tokenizer_json
         release_freed_memory()
     return built, tokenizer
 

@@ -320,3 +320,35 @@ def test_the_startup_bench_section_times_each_kind_of_start(smollm2_gguf, cache,
     assert result["first_start"] is not None and result["prefill"]["tokens_per_second"] > 0
     report(result, Console(file=sys.stdout, width=200))
     assert "lmcli, packed entry" in capsys.readouterr().out
+
+
+def test_an_entry_written_under_another_tokenizer_keeps_the_files_own(tiny_gguf, cache, tmp_path):
+    """`--tokenizer` replaces the GGUF's tokenizer for that run: its entry (keyed by that tokenizer too)
+    keeps the file's own tokenizer whole, vocabulary and fields alike, and a start from the entry takes
+    the run's tokenizer again."""
+    from fixtures_tokenizers import build_bpe_dir
+
+    from lmcli.loading import _packed_entry
+    from lmcli.model_ref import resolve_model
+
+    override = build_bpe_dir(tmp_path / "other") / "tokenizer.json"
+    previous = os.environ[packed_cache.ENV]
+    os.environ[packed_cache.ENV] = "0"
+    try:
+        _, own = lmcli.load(tiny_gguf)
+    finally:
+        os.environ[packed_cache.ENV] = previous
+    text = "#$%&'()*+"
+    _, replaced = lmcli.load(tiny_gguf, tokenizer_path=override)  # writes the entry
+    assert replaced.encode(text) != own.encode(text)
+    where = _packed_entry(resolve_model(tiny_gguf, None, override), None, None, torch.device("cpu"), None)
+    assert where is not None
+    entry = packed_cache.open_entry(*where)
+    assert entry is not None
+    kept = entry.tokenizer()
+    assert kept is not None and own is not None and replaced is not None
+    assert kept.encode(text) == own.encode(text)
+    assert (kept.bos_token, kept.eos_token, kept.chat_template, kept.name, kept.eos_token_ids) == \
+        (own.bos_token, own.eos_token, own.chat_template, own.name, own.eos_token_ids)
+    _, again = lmcli.load(tiny_gguf, tokenizer_path=override)  # from the entry, with the run's tokenizer
+    assert again.encode(text) == replaced.encode(text)
