@@ -129,7 +129,7 @@ def test_the_fixed_kernel_choice_is_cached_and_a_damaged_entry_is_probed_again(t
 
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     device = torch.device("cpu")
-    kernel_plan.fixed_choice.cache_clear()
+    kernel_plan._fixed_choice.cache_clear()
     first = kernel_plan.fixed_choice("int4", torch.bfloat16, device)
     stored = json.loads((tmp_path / "kernels.json").read_text())
     [entries] = stored.values()
@@ -137,9 +137,9 @@ def test_the_fixed_kernel_choice_is_cached_and_a_damaged_entry_is_probed_again(t
     for damage in ({"kernel": "rm -rf"}, "not an object"):
         entry = {**entries["fixed|int4|bfloat16"], **damage} if isinstance(damage, dict) else damage
         (tmp_path / "kernels.json").write_text(json.dumps({next(iter(stored)): {"fixed|int4|bfloat16": entry}}))
-        kernel_plan.fixed_choice.cache_clear()
+        kernel_plan._fixed_choice.cache_clear()
         again = kernel_plan.fixed_choice("int4", torch.bfloat16, device)
         assert again.kernel == first.kernel
         assert json.loads((tmp_path / "kernels.json").read_text())[next(iter(stored))]["fixed|int4|bfloat16"][
             "kernel"] == first.kernel
-    kernel_plan.fixed_choice.cache_clear()
+    kernel_plan._fixed_choice.cache_clear()

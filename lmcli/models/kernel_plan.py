@@ -177,16 +177,21 @@ def fast_kernels() -> bool:
     return os.environ.get(FAST_KERNELS_ENV, "") not in ("", "0")
 
 
-@functools.cache
 def fixed_choice(kind: str, dtype: torch.dtype, device: torch.device) -> KernelChoice:
     """The batch-invariant choice: torch's int4 kernel where it exists and passes a small probe
     against F.linear on the dequantised weight, else dequantise; one kernel at every row count.
 
     On the CPU the probe runs once per machine (cached with the measured plans) in a child process, so a
     loading process does not keep the resident memory of kernels it probed."""
+    return _fixed_choice(kind, dtype, device, _plan_file())
+
+
+# Kept per plans file: a process that moves to another lmcli cache (LMCLI_CACHE_DIR) reads that cache's plans.
+@functools.cache
+def _fixed_choice(kind: str, dtype: torch.dtype, device: torch.device, path: Path) -> KernelChoice:
     if device.type != "cpu":
         return _probe_fixed(kind, dtype, device)
-    path, machine = _plan_file(), _machine_key(device)
+    machine = _machine_key(device)
     entry = f"fixed|{kind}|{_dtype_name(dtype)}"
     stored = _read_plans(path)
     try:
@@ -254,12 +259,13 @@ def measured_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "c
     """
     device = torch.device(device)
     dtypes = MEASURED_DTYPES if dtype in MEASURED_DTYPES else (dtype,)
-    return _cached_plans(kind, dtypes, device)[_dtype_name(dtype)]
+    return _cached_plans(kind, dtypes, device, _plan_file())[_dtype_name(dtype)]
 
 
-@functools.cache
-def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.device) -> dict[str, KernelChoice]:
-    path, machine = _plan_file(), _machine_key(device)
+@functools.cache  # per plans file, as _fixed_choice
+def _cached_plans(kind: str, dtypes: tuple[torch.dtype, ...], device: torch.device,
+                  path: Path) -> dict[str, KernelChoice]:
+    machine = _machine_key(device)
     entry = f"{kind}|{','.join(map(_dtype_name, dtypes))}"
     stored = _read_plans(path)
     known = stored.get(machine, {}).get(entry)
