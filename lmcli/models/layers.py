@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,7 +115,7 @@ class AttentionInputs:
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
     # Batch-invariant attention (models/row_attention.py): layer type -> which keys each query reads.
     by_row: bool = False
-    row_plans: dict[str, list] = field(default_factory=dict)
+    row_plans: dict[str, Any] = field(default_factory=dict)  # a list of RowCall, or one JoinedCall
     # The dtype attention and the cache compute in, where the hidden states are wider (a quantized
     # model's float32 residual stream around bfloat16 matrix products); None: the hidden states' own.
     dtype: torch.dtype | None = None
@@ -209,17 +210,22 @@ class Attention(nn.Module):
 
     def _attend_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
                        inputs: AttentionInputs) -> torch.Tensor:
-        from lmcli.models.row_attention import attend_by_row, row_plans
+        from lmcli.models.row_attention import JoinedCall, attend_by_row, attend_joined, joined_plan, row_plans
 
         B, _, T, _ = q.shape
         plans = inputs.row_plans.get(self.layer_type)
         if plans is None:
             one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None
-            plans = inputs.row_plans[self.layer_type] = row_plans(key_slots, inputs.query_slots, inputs.slot_is_token,
-                                                                  self.window, q.dtype, one_call)
+            joined = joined_plan(key_slots, inputs.query_slots, inputs.slot_is_token, q.dtype,
+                                 self.num_kv_heads * self.head_dim) if one_call else None
+            plans = inputs.row_plans[self.layer_type] = joined or row_plans(
+                key_slots, inputs.query_slots, inputs.slot_is_token, self.window, q.dtype, one_call)
         rep = self.num_heads // self.num_kv_heads
         q = q.reshape(B, self.num_kv_heads, rep * T, self.head_dim)
-        out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)  # (B, nkv, rep * T, hd)
+        if isinstance(plans, JoinedCall):
+            out = attend_joined(q, k, v, plans, self.scale, rep)  # (B, nkv, rep * T, hd)
+        else:
+            out = attend_by_row(q, k, v, plans, self.scale, self.softcap, rep)
         out = out.reshape(B, self.num_heads, T, self.head_dim).transpose(1, 2)
         return out.reshape(B, T, self.num_heads * self.head_dim)  # (B, T, nh*hd)
 

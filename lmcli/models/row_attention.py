@@ -28,7 +28,8 @@ KEY_BLOCK = 32  # keys of a row call are padded (masked) to a multiple of this; 
 @dataclass(frozen=True)
 class RowCall:
     """One attention call for row `row`: its queries `queries` (indices t) on keys `keys` (indices into
-    the layer's keys, in slot order), with an additive mask (queries, padded keys), or None: all visible."""
+    the layer's keys, in slot order; with a mask, padded to its width by repeating the last), with an
+    additive mask (queries, padded keys), or None: all visible."""
 
     row: int
     queries: list[int]
@@ -68,7 +69,8 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
             key_slot[:end] = ordered[:end]
             allowed = key_slot[None, :] <= queries[real][:, None]  # (Q, padded): causal; padding never
             mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
-            calls.append(RowCall(row, real, index[:end].to(key_slots.device), mask.to(key_slots.device)))
+            keys = index[torch.arange(padded).clamp(max=end - 1)]  # padding: masked copies of the last key
+            calls.append(RowCall(row, real, keys.to(key_slots.device), mask.to(key_slots.device)))
             continue
         for t in real:
             q = int(queries[t])
@@ -76,6 +78,83 @@ def row_plans(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token:
             start = int(torch.searchsorted(ordered, q - window, right=True)) if window is not None else 0
             calls.append(RowCall(row, [t], index[start:end].to(key_slots.device), None))
     return calls
+
+
+@dataclass(frozen=True)
+class JoinedCall:
+    """Every real query of a step in ONE attention call, each query its own batch entry: entry i is query
+    `queries[i]` of row `rows[i]` on that row's keys `index[i]` (indices into the layer's keys, in slot
+    order, padded with masked copies of the row's last key to P, a multiple of KEY_BLOCK), `mask` [N, 1,
+    1, P] 0 or -inf. torch's CPU kernel computes each batch entry on its own, and a query's numbers do
+    not follow the number of queries or of padded keys (see `row_plans`), so an entry gets exactly the
+    numbers of its row's own call, in one call where `row_plans` makes one a row."""
+
+    rows: torch.Tensor  # [N] long
+    queries: torch.Tensor  # [N] long
+    index: torch.Tensor  # [N, P] long
+    mask: torch.Tensor  # [N, 1, 1, P]
+
+
+JOIN_LIMIT = 1 << 24  # the most elements (entries x keys x key width) a joined call gathers, per tensor
+
+
+def joined_plan(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_token: torch.Tensor,
+                dtype: torch.dtype, key_width: int) -> JoinedCall | None:
+    """The `one_call_per_row` calls of `row_plans` as one call (key_slots [S], -1 empty; query_slots [T];
+    slot_is_token [B, S_total]), where every row has at most one real query (a decode step) and the
+    gathered keys (`key_width` elements each) stay under JOIN_LIMIT; else None. A row of several queries
+    keeps its own call: its queries share its keys there without a copy."""
+    slots, queries, is_token = key_slots.cpu(), query_slots.cpu(), slot_is_token.cpu()
+    real = is_token[:, queries]  # (B, T): pad queries are never read
+    if bool((real.sum(-1) > 1).any()):
+        return None
+    rows, where = torch.nonzero(real, as_tuple=True)  # (N,), (N,)
+    if rows.numel() == 0:
+        return None
+    valid = (slots >= 0)[None] & is_token[:, slots.clamp(min=0)]  # (B, S)
+    order = torch.argsort(torch.where(valid, slots, torch.iinfo(torch.long).max), dim=-1, stable=True)  # slot order
+    query = queries[where]  # (N,) slot of each entry's query
+    seen = (valid[rows] & (slots[None] <= query[:, None])).sum(-1)  # (N,) keys each query sees
+    padded = -(-max(int(seen.max()), 1) // KEY_BLOCK) * KEY_BLOCK
+    if rows.numel() * padded * key_width > JOIN_LIMIT:
+        return None
+    position = torch.arange(padded)[None]  # (1, P)
+    last = (seen - 1).clamp(min=0)[:, None]  # padding repeats the query's last key, finite as the row's own are
+    index = order[rows[:, None], position.minimum(last)]  # (N, P)
+    mask = torch.zeros((rows.numel(), padded), dtype=dtype).masked_fill_(position >= seen[:, None], float("-inf"))
+    device = key_slots.device
+    return JoinedCall(rows.to(device), where.to(device), index.to(device), mask[:, None, None].to(device))
+
+
+def attend_joined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: JoinedCall, scale: float,
+                  rep: int) -> torch.Tensor:
+    """q (B, nkv, rep * T, hd), k and v (B, nkv, S, hd) -> (B, nkv, rep * T, hd) as `attend_by_row` gives
+    it, in the one call `call` (pad queries stay 0)."""
+    B, nkv, width, hd = q.shape
+    by_query = q.view(B, nkv, rep, width // rep, hd)
+    with _one_thread(q.device):  # the copies too: small, and a busy second core makes a 2-thread op wait
+        query = by_query[call.rows, :, :, call.queries]  # (N, nkv, rep, hd)
+        keys, values = _gather(k, call), _gather(v, call)  # (N, nkv, P, hd) each
+        got = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale)  # (N, nkv, rep, hd)
+        out = torch.zeros_like(by_query)
+        out[call.rows, :, :, call.queries] = got
+    return out.view(B, nkv, width, hd)
+
+
+def _gather(k: torch.Tensor, call: JoinedCall) -> torch.Tensor:
+    """k (B, nkv, S, hd) -> each entry's keys (N, nkv, P, hd), contiguous. A cache's keys are whole rows
+    of hd elements on a grid (a slice of a (B, nkv, L, hd) buffer), so one index_select of those rows;
+    advanced indexing (ten times slower) for any other layout."""
+    B, nkv, S, hd = k.shape
+    N, P = call.index.shape
+    step_b, step_h, step_s, step_d = k.stride()
+    if step_d != 1 or step_s != hd or step_b % hd or step_h % hd:
+        return k[call.rows[:, None], :, call.index].transpose(1, 2).contiguous()
+    rows = ((B - 1) * step_b + (nkv - 1) * step_h) // hd + S  # the grid's rows up to k's last
+    grid = k.as_strided((rows, hd), (hd, 1))  # (rows, hd), from k's first element
+    heads = torch.arange(nkv, device=k.device) * (step_h // hd)  # (nkv,)
+    flat = (call.rows * (step_b // hd))[:, None, None] + heads[None, :, None] + call.index[:, None, :]  # (N, nkv, P)
+    return grid.index_select(0, flat.flatten()).view(N, nkv, P, hd)
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[RowCall], scale: float,
@@ -111,18 +190,18 @@ def _attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: lis
     out = torch.zeros_like(by_query)  # pad queries stay 0
     for call in calls:
         b, n = call.row, len(call.queries)
-        where = call.queries[0] if n == 1 else torch.tensor(call.queries, device=q.device)
-        query = by_query[b, :, :, where].reshape(1, nkv, rep * n, hd)
-        keys = k[b:b + 1].index_select(2, call.keys)  # (1, nkv, s, hd)
-        values = v[b:b + 1].index_select(2, call.keys)
         if call.mask is not None:  # the row's queries as a batch of n, each its own rep rows (see row_plans)
-            extra = call.mask.shape[1] - keys.shape[2]  # masked padding keys
-            keys = torch.cat([keys, keys.new_zeros(1, nkv, extra, hd)], dim=2).expand(n, -1, -1, -1)
-            values = torch.cat([values, values.new_zeros(1, nkv, extra, hd)], dim=2).expand(n, -1, -1, -1)
+            # The keys padded to the mask's width with masked copies of the row's last one (row_plans).
+            keys = k[b:b + 1].index_select(2, call.keys).expand(n, -1, -1, -1)  # (n, nkv, padded, hd)
+            values = v[b:b + 1].index_select(2, call.keys).expand(n, -1, -1, -1)
             query = by_query[b, :, :, call.queries].permute(2, 0, 1, 3)  # (n, nkv, rep, hd)
             got = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask[:, None, None], scale=scale)
             out[b, :, :, call.queries] = got.permute(1, 2, 0, 3)  # (nkv, rep, n, hd)
             continue
+        where = call.queries[0] if n == 1 else torch.tensor(call.queries, device=q.device)
+        query = by_query[b, :, :, where].reshape(1, nkv, rep * n, hd)
+        keys = k[b:b + 1].index_select(2, call.keys)  # (1, nkv, s, hd)
+        values = v[b:b + 1].index_select(2, call.keys)
         if softcap is None:
             got = F.scaled_dot_product_attention(query, keys, values, scale=scale)
         else:
