@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +93,9 @@ class JoinedCall:
     queries: torch.Tensor  # [N] long
     index: torch.Tensor  # [N, P] long
     mask: torch.Tensor  # [N, 1, 1, P]
+    whole: bool  # every row's one query, and T == 1: q and the output are the call's as they are
+    # (batch stride, head stride) of the layers' keys -> the rows `_gather` reads: made once a step
+    flat: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
 
 JOIN_LIMIT = 1 << 24  # the most elements (entries x keys x key width) a joined call gathers, per tensor
@@ -123,7 +126,8 @@ def joined_plan(key_slots: torch.Tensor, query_slots: torch.Tensor, slot_is_toke
     index = order[rows[:, None], position.minimum(last)]  # (N, P)
     mask = torch.zeros((rows.numel(), padded), dtype=dtype).masked_fill_(position >= seen[:, None], float("-inf"))
     device = key_slots.device
-    return JoinedCall(rows.to(device), where.to(device), index.to(device), mask[:, None, None].to(device))
+    whole = rows.numel() == is_token.shape[0] and queries.numel() == 1
+    return JoinedCall(rows.to(device), where.to(device), index.to(device), mask[:, None, None].to(device), whole)
 
 
 def attend_joined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: JoinedCall, scale: float,
@@ -133,9 +137,11 @@ def attend_joined(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: Joine
     B, nkv, width, hd = q.shape
     by_query = q.view(B, nkv, rep, width // rep, hd)
     with _one_thread(q.device):  # the copies too: small, and a busy second core makes a 2-thread op wait
-        query = by_query[call.rows, :, :, call.queries]  # (N, nkv, rep, hd)
+        query = q if call.whole else by_query[call.rows, :, :, call.queries]  # (N, nkv, rep, hd)
         keys, values = _gather(k, call), _gather(v, call)  # (N, nkv, P, hd) each
         got = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale)  # (N, nkv, rep, hd)
+        if call.whole:
+            return got
         out = torch.zeros_like(by_query)
         out[call.rows, :, :, call.queries] = got
     return out.view(B, nkv, width, hd)
@@ -152,9 +158,12 @@ def _gather(k: torch.Tensor, call: JoinedCall) -> torch.Tensor:
         return k[call.rows[:, None], :, call.index].transpose(1, 2).contiguous()
     rows = ((B - 1) * step_b + (nkv - 1) * step_h) // hd + S  # the grid's rows up to k's last
     grid = k.as_strided((rows, hd), (hd, 1))  # (rows, hd), from k's first element
-    heads = torch.arange(nkv, device=k.device) * (step_h // hd)  # (nkv,)
-    flat = (call.rows * (step_b // hd))[:, None, None] + heads[None, :, None] + call.index[:, None, :]  # (N, nkv, P)
-    return grid.index_select(0, flat.flatten()).view(N, nkv, P, hd)
+    flat = call.flat.get((step_b, step_h))
+    if flat is None:
+        heads = torch.arange(nkv, device=k.device) * (step_h // hd)  # (nkv,)
+        flat = (call.rows * (step_b // hd))[:, None, None] + heads[None, :, None] + call.index[:, None, :]  # (N, nkv, P)
+        flat = call.flat[(step_b, step_h)] = flat.flatten()
+    return grid.index_select(0, flat).view(N, nkv, P, hd)
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[RowCall], scale: float,
@@ -218,9 +227,16 @@ def attend_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     one-token step or a chunk of T queries of rows without pad queries: q (B, nh, T, hd), k and v
     (B, nkv, S, hd), `index` [B, P] each row's keys in slot order (P a multiple of KEY_BLOCK), `mask`
     [B, T, 1, P] 0 for the keys each query sees, -inf for the rest -> (B, T, nh * hd). One call per row,
-    the row's queries as its batch, as `attend_by_row` makes; masked keys add exactly nothing."""
+    the row's queries as its batch, as `attend_by_row` makes (one call for all rows when T is 1, as
+    `attend_joined` makes); masked keys add exactly nothing."""
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
+    if T == 1:  # a one-token step: its rows in one call, each its own batch entry (see JoinedCall)
+        every = torch.arange(B, device=q.device)
+        call = JoinedCall(every, torch.zeros_like(every), index, mask, True)
+        got = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hd), _gather(k, call), _gather(v, call),
+                                             attn_mask=mask, scale=scale)  # (B, nkv, rep, hd)
+        return got.reshape(B, 1, nh * hd)
     rows = []
     for b in range(B):
         query = q[b].reshape(nkv, nh // nkv, T, hd).permute(2, 0, 1, 3)  # (T, nkv, rep, hd): heads sharing a kv head
