@@ -7,10 +7,13 @@ front of its row, with the keys after it (a prefill chunk sees fewer than the wh
 the number of queries in the call. So this path calls attention per row, on that row's own keys in
 slot order, never on another row's padding: once per query on exactly its keys (the call is then
 the same alone, in any batch and in any chunking, so its result is too), or, in bfloat16 without a
-window, once per row in a form measured to give each query the same numbers (`row_plans`).
+window, once per row in a form measured to give each query the same numbers (`row_plans`). In that
+form each query is its own batch entry, which torch's kernel computes on its own; so a decode step's
+rows (one query each) go in one call of the whole step, each entry on its own row's keys
+(`joined_plan`, `attend_joined`): the same numbers, one call a layer instead of one a row.
 
-Cost: a call per row (or per row and query) where the batched path makes one per layer (see the
-README's "Batch-invariant numerics").
+Cost: a call per row (or per row and query) where the batched path makes one per layer, but for the
+decode steps of bfloat16 models (see the README's "Batch-invariant numerics").
 """
 
 from __future__ import annotations
