@@ -184,3 +184,16 @@ def test_float32_and_windowed_queries_get_their_own_keys_exactly(window):
     plans = row_plans(key_slots, query_slots, is_token, window, dtype, False)
     with _threads(2):
         assert torch.equal(attend_by_row(q, keys, values, plans, SCALE, None, REP), want)
+
+
+def test_a_step_too_wide_to_gather_keeps_a_call_per_row(monkeypatch):
+    """Past JOIN_LIMIT the joined call's copies would be too big: the plan says so, and row calls remain."""
+    from lmcli.models import row_attention
+
+    rng = random.Random(3)
+    is_token = _layout(rng, 4, 100, 1, "consecutive")
+    key_slots, query_slots = torch.arange(100), torch.tensor([99])
+    plan = joined_plan(key_slots, query_slots, is_token, torch.bfloat16, NKV * HD)
+    assert plan is not None
+    monkeypatch.setattr(row_attention, "JOIN_LIMIT", plan.index.numel() * NKV * HD - 1)  # one element short
+    assert joined_plan(key_slots, query_slots, is_token, torch.bfloat16, NKV * HD) is None
