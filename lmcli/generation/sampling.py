@@ -46,6 +46,7 @@ def check_temperature(value: Any) -> float:
 
 class Temperature:
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, temperature: float):
         self.temperature = check_temperature(temperature)
@@ -65,6 +66,7 @@ class TopK:
     """Keep the k most likely tokens."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, top_k: int):
         self.top_k = SETTINGS["top_k"].require(top_k)
@@ -79,6 +81,7 @@ class TopP:
     """Nucleus: the smallest set of most likely tokens whose total probability is >= p."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, top_p: float):
         self.top_p = SETTINGS["top_p"].require(top_p)
@@ -128,6 +131,7 @@ class MinP:
     strict when the model is sure, loose when it is not)."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, min_p: float):
         self.min_p = SETTINGS["min_p"].require(min_p)
@@ -143,6 +147,7 @@ class TypicalP:
     distribution's entropy, and keep the closest ones until their probability adds up to `typical_p`."""
 
     needs_history = False
+    same_on_any_thread = False  # the entropy's sum over the row splits across torch's threads
 
     def __init__(self, typical_p: float):
         self.typical_p = SETTINGS["typical_p"].require(typical_p)
@@ -166,6 +171,8 @@ class RepetitionPenalty:
     """Discourage tokens already in the text: positive logits are divided by the penalty, negative ones
     multiplied (penalty > 1 discourages, < 1 encourages)."""
 
+    same_on_any_thread = True
+
     def __init__(self, penalty: float):
         self.penalty = SETTINGS["repetition_penalty"].require(penalty)
 
@@ -187,6 +194,7 @@ class _OccurrencePenalty:
     subtract `penalty` times `_amount(counts)`. Columns before `prompt_length` are the prompt."""
 
     setting: ClassVar[str]
+    same_on_any_thread = True
 
     def __init__(self, penalty: float, prompt_length: int = 0):
         self.penalty = SETTINGS[self.setting].require(penalty)
@@ -228,6 +236,8 @@ class NoRepeatNGram:
     row in a padded batch blocks exactly the n-grams it blocks alone.
     """
 
+    same_on_any_thread = True
+
     def __init__(self, ngram_size: int, pad_counts: Sequence[int] | torch.Tensor | None = None):
         self.ngram_size = SETTINGS["no_repeat_ngram_size"].require(ngram_size)
         self.pad_counts = None if pad_counts is None else torch.as_tensor(pad_counts, dtype=torch.long)
@@ -256,6 +266,8 @@ class MinNewTokens:
     """Forbid the end-of-sequence tokens until `min_new_tokens` tokens have been generated after the
     first `prompt_length` columns."""
 
+    same_on_any_thread = True
+
     def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Iterable[int]):
         self.prompt_length = prompt_length
         self.min_new_tokens = SETTINGS["min_new_tokens"].require(min_new_tokens)
@@ -272,6 +284,7 @@ class LogitBias:
     """Add a fixed bias to chosen tokens' logits ({token id: bias}); -100 all but bans a token."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, bias: Mapping[int, float]):
         self.bias = check_logit_bias_ids(bias)
@@ -291,11 +304,14 @@ class LogitBias:
 
 class ProcessorChain:
     """Processors applied in order. `needs_history`: some processor reads the text (input_ids), so the
-    loop must keep all of it; a plain callable is assumed to."""
+    loop must keep all of it; a plain callable is assumed to. `same_on_any_thread`: every processor
+    gives the same numbers whatever torch's thread count and keeps no state shared with another row's
+    chain, so a row's chain may run on a worker thread (row_choice.py); a plain callable is assumed not."""
 
     def __init__(self, processors: Iterable[LogitsProcessor]):
         self.processors = list(processors)
         self.needs_history = any(getattr(p, "needs_history", True) for p in self.processors)
+        self.same_on_any_thread = all(getattr(p, "same_on_any_thread", False) for p in self.processors)
         # Processors that want each step's chosen tokens before the next forward pass (a constraint's
         # masks are built meanwhile); see ConstraintMask.chosen.
         hooks = (getattr(p, "chosen", None) for p in self.processors)
