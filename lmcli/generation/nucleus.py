@@ -34,8 +34,9 @@ import torch
 
 from lmcli.decoding import SETTINGS
 
-FIRST_TOP = 64  # best tokens looked at first for the cut (most rows keep fewer)
-MORE_TOP = 512  # then this many, before sorting the row
+NEAR = 12.0  # the cut is looked for first among the tokens this close to the best logit (e^-12 as likely)...
+MOST_CLOSE = 4096  # ...when there are no more of them than this; then among the MOST_TOP best
+MOST_TOP = 512
 
 
 class TopP:
@@ -88,25 +89,29 @@ class TopP:
         """("value", w) when the dropped tokens are surely those <= w; ("order", None) when a tie group
         surely straddles the cut; ("open", None) when the bounds cannot tell."""
         n = row.shape[0]
-        best = row.max()
-        if n < 2 or not bool(torch.isfinite(best)):
+        best = float(row.max())
+        if n < 2 or not math.isfinite(best):
             return "open", None  # nan or inf: the reference's softmax is nan or one-hot; sort it
-        shifted = row - best  # (V,) <= 0, -inf for banned tokens
+        shifted = (row - best).clamp_(min=-1e4)  # (V,) <= 0; a banned token's -inf made finite, its exp still 0
         exps = shifted.exp()
         total = float(exps.sum(dtype=torch.float64))
         u = torch.finfo(row.dtype).eps / 2
-        # Each exp's error: 16 ulp, plus the subtraction's rounding magnified by |shifted|.
-        spread = float((exps * (16 - shifted.clamp(min=-1e4))).sum(dtype=torch.float64))
-        for k in (FIRST_TOP, MORE_TOP):
-            top = torch.topk(row, min(k, n)).values  # (k,) descending
-            found = self._decide(top, best, total, spread, n, u)
-            if found is not None or k >= n:
-                break
+        # Each exp's error: 16 ulp, plus the subtraction's rounding magnified by |shifted| (a float dot,
+        # itself within 1%).
+        spread = 16 * total - 1.01 * float(torch.dot(exps, shifted))
+        close = torch.nonzero(shifted > -NEAR)[:, 0]  # usually a few hundred tokens
+        if len(close) <= MOST_CLOSE:
+            found = self._decide(torch.from_numpy(-np.sort(-row[close].numpy())), best, total, spread, n, u)
+            if found is not None:
+                return found
+        # The best tokens by count (the last value's ties may go on below them, which the cut allows).
+        found = self._decide(torch.topk(row, min(MOST_TOP, n)).values, best, total, spread, n, u)
         return found if found is not None else ("open", None)
 
-    def _decide(self, top: torch.Tensor, best: torch.Tensor, total: float, spread: float, n: int,
+    def _decide(self, top: torch.Tensor, best: float, total: float, spread: float, n: int,
                 u: float) -> tuple[str, torch.Tensor | None] | None:
-        """The cut from the best values `top` (descending); None when it lies below them or is unproven."""
+        """The cut from the best values `top` (descending: every token above its last value); None when it
+        lies below them."""
         values = top.numpy()
         exps = (top - best).exp().double().numpy()  # (k,)
         first = np.searchsorted(-values, -values, side="left")  # each token's group starts here
@@ -126,19 +131,22 @@ class TopP:
         if low_total <= 0:
             return None
 
-        def dropped(mass: float) -> bool | None:  # the reference's running sum there <= 1 - p: surely, surely not
-            slack = wide + 3.01 * u * mass
-            low = max(0.0, (mass - slack) / high_total * (1 - gamma))
-            high = (mass + slack) / low_total * (1 + gamma)
-            ends = torch.tensor([_toward(low, -math.inf, top.dtype), _toward(high, math.inf, top.dtype)],
-                                dtype=top.dtype) <= 1 - self.top_p
-            return bool(ends[0]) if bool(ends[0]) == bool(ends[1]) else None
+        def dropped(*masses: float) -> list[bool | None]:  # each running sum <= 1 - p: surely, surely not, open
+            ends = []
+            for mass in masses:
+                slack = wide + 3.01 * u * mass
+                low = max(0.0, (mass - slack) / high_total * (1 - gamma))
+                high = (mass + slack) / low_total * (1 + gamma)
+                ends += [_toward(low, -math.inf, top.dtype), _toward(high, math.inf, top.dtype)]
+            within = (torch.tensor(ends, dtype=top.dtype) <= 1 - self.top_p).tolist()  # the reference's comparison
+            return [within[i] if within[i] == within[i + 1] else None for i in range(0, len(within), 2)]
 
-        if dropped(through_cut) is True and dropped(one_more) is False:
+        at_cut, at_one_more, at_better = dropped(through_cut, one_more, through_better)
+        if at_cut is True and at_one_more is False:
             return "value", top[cut:cut + 1]
-        if dropped(one_more) is True and dropped(through_better) is False:
+        if at_one_more is True and at_better is False:
             return "order", None  # the cut is inside the group above: its ties are ordered by torch.sort
-        return None
+        return "open", None  # found, not proven: a wider look would find the same
 
 
 def _toward(value: float, direction: float, dtype: torch.dtype) -> float:
