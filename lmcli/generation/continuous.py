@@ -77,6 +77,7 @@ class ContinuousStats:
     prefill_requested: int = 0
     prefill_computed: int = 0
     prefix_evicted: int = 0  # prefix-cache blocks dropped to stay within its bound
+    decode_seconds: float = 0.0  # wall time in the batched steps (their forwards and token choice)
 
     @property
     def occupancy(self) -> float:
@@ -85,7 +86,8 @@ class ContinuousStats:
     def to_json(self) -> dict[str, Any]:
         return {"rows": self.rows, "steps": self.steps, "occupancy": round(self.occupancy, 4),
                 "shifts": self.shifts, "rows_alone": self.alone, "prefill_requested": self.prefill_requested,
-                "prefill_computed": self.prefill_computed, "prefix_evicted": self.prefix_evicted}
+                "prefill_computed": self.prefill_computed, "prefix_evicted": self.prefix_evicted,
+                "decode_seconds": round(self.decode_seconds, 3)}
 
 
 @dataclass
@@ -148,12 +150,14 @@ class ContinuousRun:
                     if self._exhausted:
                         return
                     continue
+                started = _now()
                 try:
                     self._step()
                 except errors:
                     stranded = [live.result.row for live in self.batch.rows if live is not None]
                     self.batch = None
                     isolate(stranded)
+                self.stats.decode_seconds += _now() - started
 
     _exhausted = False
 
