@@ -124,3 +124,19 @@ def test_one_thread_means_no_workers_and_errors_come_back_in_order():
     finally:
         chooser.close()
         torch.set_num_threads(previous)
+
+
+def test_which_chains_may_choose_on_a_worker():
+    """Only processors known to give the same numbers on any thread count: not typical-p (a row-wide float
+    sum that torch splits by thread), not a constraint's mask (its matcher's state), not a plain callable."""
+    from lmcli.generation.constraints import ConstraintMask
+    from lmcli.generation.sampling import ProcessorChain, TypicalP
+
+    _, builtin = SamplingSettings(temperature=0.8, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.2,
+                                  presence_penalty=0.3, frequency_penalty=0.2, no_repeat_ngram_size=3,
+                                  min_new_tokens=2, logit_bias={3: 1.0}).policy(eos_token_ids=[1])
+    assert len(builtin) == 10 and ProcessorChain(builtin).same_on_any_thread
+    assert ProcessorChain([]).same_on_any_thread  # greedy: the argmax alone
+    assert not ProcessorChain([*builtin, TypicalP(0.9)]).same_on_any_thread
+    assert not ProcessorChain([lambda ids, logits: logits]).same_on_any_thread
+    assert not hasattr(ConstraintMask, "same_on_any_thread")

@@ -8,9 +8,10 @@ ordered), so the mask is "every token <= the last dropped value" unless a group 
 the cut: which of them go then follows torch.sort's own order of the ties, and only torch.sort tells it.
 
 Each row takes the cheapest road that is certain (`TopP._cut_by_bounds`, `TopP._drop_row`):
-1. No sort: the row's probabilities from one exp pass (float64 sums) and its best tokens from topk give
-   the running sums around the cut; bounds on every rounding the reference can make (below) decide
-   whether the cut falls between two values (mask by value) or inside a tie group (road 3).
+1. No sort: the row's probabilities from one exp pass (float64 sums) and its best tokens (those within
+   NEAR of the best logit, else topk) give the running sums around the cut; bounds on every rounding the
+   reference can make (below) decide whether the cut falls between two values (mask by value) or inside
+   a tie group (road 3).
 2. If the bounds leave it open: numpy's sort of the values (no indices), the reference's softmax and
    running sum on them, then the mask by value.
 3. Ties straddling the cut: torch.sort with indices, as the reference.
@@ -89,13 +90,15 @@ class TopP:
         """("value", w) when the dropped tokens are surely those <= w; ("order", None) when a tie group
         surely straddles the cut; ("open", None) when the bounds cannot tell."""
         n = row.shape[0]
+        u = torch.finfo(row.dtype).eps / 2
+        if n < 2 or n * u > 0.05:
+            return "open", None  # one token, or a row so long that bounds of n u each would tell nothing
         best = float(row.max())
-        if n < 2 or not math.isfinite(best):
+        if not math.isfinite(best):
             return "open", None  # nan or inf: the reference's softmax is nan or one-hot; sort it
         shifted = (row - best).clamp_(min=-1e4)  # (V,) <= 0; a banned token's -inf made finite, its exp still 0
         exps = shifted.exp()
         total = float(exps.sum(dtype=torch.float64))
-        u = torch.finfo(row.dtype).eps / 2
         # Each exp's error: 16 ulp, plus the subtraction's rounding magnified by |shifted| (a float dot,
         # itself within 1%).
         spread = 16 * total - 1.01 * float(torch.dot(exps, shifted))
