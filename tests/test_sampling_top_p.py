@@ -87,6 +87,21 @@ def test_p_at_the_references_own_running_sums(roads):
     assert roads["open"] > 0
 
 
+def test_a_long_tied_tail_whose_float_sum_drifts(roads):
+    """48,000 equal tokens: the reference's float32 softmax sums them with an error of many ulps of the
+    running sum, so an estimate without the bounds' allowance misplaces cuts set at and around the
+    reference's own running sums; with it, such rows go to the sort."""
+    generator = torch.Generator().manual_seed(14)
+    logits = torch.zeros(1, V)
+    logits[0, 48000:] = 2 + 6 * torch.rand(V - 48000, generator=generator)
+    ascending = torch.sort(logits, dim=-1).values
+    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)[0]
+    for i in range(48000, V - 1, 193):
+        for k in range(-8, 9, 2):  # the drift is up to ~1.5e-6 of the sum (24 ulps) here
+            check(1 - float(cumulative[i]) * (1 + k * 2e-7), logits)  # (with no allowance, 6 of these failed)
+    assert roads["open"] > 0
+
+
 def test_real_model_logits_at_the_jobs_settings(smollm2_gguf, roads):
     """The default model's own logits (bfloat16-valued: ties everywhere) at each position of a chat prompt,
     at the target job's temperatures and top-p."""
