@@ -20,9 +20,11 @@ moves them right first.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch
 from lmcli import threads
 from lmcli.generation.loop import TokenEvent
 from lmcli.generation.prefix_cache import PrefixCache
+from lmcli.generation.row_choice import RowChooser
 from lmcli.generation.rows import (
     BatchPolicy,
     PreparedRow,
@@ -126,6 +129,7 @@ class ContinuousRun:
         self.prefill_chunk = prefill_chunk
         self.stats = ContinuousStats(batch_size=batch_size)
         self.batch: _Batch | None = None
+        self.chooser = RowChooser()
 
     # --- admission ----------------------------------------------------------------------------------
 
@@ -135,7 +139,7 @@ class ContinuousRun:
         or the rows in flight when a batched step fails, go to `isolate`, which runs them one by one so
         that only a bad row fails (and none is lost); the batch then starts afresh."""
         pending: Iterator[PreparedRow] = iter(rows)
-        with torch.inference_mode():
+        with torch.inference_mode(), contextlib.closing(self.chooser):
             while True:
                 for row in self._take(pending):
                     try:
@@ -230,8 +234,10 @@ class ContinuousRun:
 
     def _choose(self, live: _Row, logits: torch.Tensor) -> bool:
         """The row's next token from its logits [1, V], as its single run chooses it; True when it ends."""
-        context = live.text[None, :live.length] if live.chain.needs_history else live.text[None, :0]
-        token = live.choose(live.chain(context, logits))  # (1,)
+        return self._record(live, _token(live, logits), logits)
+
+    def _record(self, live: _Row, token: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Record the row's chosen token [1] (its logprobs, text and stop checks; its end); True when it ends."""
         result = live.result
         if result.logprobs is not None and result.row.settings.logprobs is not None:
             event = TokenEvent(live.step, token, torch.zeros(1, dtype=torch.bool), torch.ones(1), logits)
@@ -328,13 +334,24 @@ class ContinuousRun:
         batch.column += 1
         self.stats.steps += 1
         self.stats.busy += sum(busy)
-        for place, live in enumerate(batch.rows):
-            if live is None:
-                continue
-            if self._choose(live, logits[place:place + 1]):
+        # The rows choose side by side where they may (row_choice.py); what they share (the results,
+        # the output, a constraint's masks) is then updated here, in the rows' order.
+        places = [place for place, live in enumerate(batch.rows) if live is not None]
+        rows = [live for live in batch.rows if live is not None]
+        tokens = self.chooser.run([partial(_token, live, logits[place:place + 1]) for place, live in zip(places, rows)],
+                                  [live.chain.same_on_any_thread and live.policy.mask is None for live in rows])
+        for place, live, token in zip(places, rows, tokens):
+            if self._record(live, token, logits[place:place + 1]):
                 batch.rows[place] = None
             else:
                 batch.feed[place] = int(live.text[live.length - 1])
+
+
+def _token(live: _Row, logits: torch.Tensor) -> torch.Tensor:
+    """The row's next token [1] from its logits [1, V], by its own processors and random stream; touches
+    nothing but the row's chain and sampler (so it may run on a worker thread)."""
+    context = live.text[None, :live.length] if live.chain.needs_history else live.text[None, :0]
+    return live.choose(live.chain(context, logits))
 
 
 def _now() -> float:

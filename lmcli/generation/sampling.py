@@ -32,6 +32,7 @@ from lmcli.decoding import (
     is_int,
 )
 from lmcli.decoding import SamplingError as SamplingError  # raised by every processor below
+from lmcli.generation.nucleus import TopP as TopP  # top-p, exact at a fraction of the sort's cost
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,6 +47,7 @@ def check_temperature(value: Any) -> float:
 
 class Temperature:
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, temperature: float):
         self.temperature = check_temperature(temperature)
@@ -65,6 +67,7 @@ class TopK:
     """Keep the k most likely tokens."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, top_k: int):
         self.top_k = SETTINGS["top_k"].require(top_k)
@@ -75,59 +78,12 @@ class TopK:
         return logits.masked_fill(logits < kth_best, float("-inf"))
 
 
-class TopP:
-    """Nucleus: the smallest set of most likely tokens whose total probability is >= p."""
-
-    needs_history = False
-
-    def __init__(self, top_p: float):
-        self.top_p = SETTINGS["top_p"].require(top_p)
-
-    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        if (logits.device.type == "cpu" and logits.dim() == 2 and logits.dtype in (torch.float32, torch.float64)
-                and not logits.requires_grad):
-            drop = self._drop_by_values(logits)
-            if drop is not None:
-                return logits.masked_fill(drop, float("-inf"))
-        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
-        drop_sorted = self._drop_sorted(sorted_logits)
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        return logits.masked_fill(drop, float("-inf"))
-
-    def _drop_sorted(self, sorted_logits: torch.Tensor) -> torch.Tensor:
-        """[B, V] ascending logits -> which of them to drop: the least likely tokens while what they add up
-        to stays within 1 - p (the softmax over the sorted row, as transformers sums it); never the best."""
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= 1 - self.top_p
-        drop_sorted[..., -1] = False
-        return drop_sorted
-
-    def _drop_by_values(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The same mask from the sorted values alone (numpy sorts a row of 49k floats about 4x faster than
-        torch.sort, which also builds the order): the dropped tokens are a prefix of the ascending order, so
-        they are those below the last dropped value, plus those equal to it when every tie is dropped too.
-        None when ties straddle the cut: which of them go then depends on torch.sort's order."""
-        import numpy as np
-
-        values = torch.from_numpy(np.sort(logits.detach().contiguous().numpy(), axis=-1))  # [B, V] ascending
-        dropped = self._drop_sorted(values).sum(dim=-1)  # [B]: how many of the least likely go
-        drop = torch.zeros_like(logits, dtype=torch.bool)
-        for row, count in enumerate(dropped.tolist()):
-            if count == 0:
-                continue
-            last = values[row, count - 1]
-            below, tied = logits[row] < last, logits[row] == last
-            if int(below.sum()) + int(tied.sum()) != count:
-                return None
-            drop[row] = below | tied
-        return drop
-
-
 class MinP:
     """Keep the tokens at least `min_p` times as likely as the most likely one (so the cut adapts:
     strict when the model is sure, loose when it is not)."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, min_p: float):
         self.min_p = SETTINGS["min_p"].require(min_p)
@@ -143,6 +99,7 @@ class TypicalP:
     distribution's entropy, and keep the closest ones until their probability adds up to `typical_p`."""
 
     needs_history = False
+    same_on_any_thread = False  # the entropy's sum over the row splits across torch's threads
 
     def __init__(self, typical_p: float):
         self.typical_p = SETTINGS["typical_p"].require(typical_p)
@@ -166,6 +123,8 @@ class RepetitionPenalty:
     """Discourage tokens already in the text: positive logits are divided by the penalty, negative ones
     multiplied (penalty > 1 discourages, < 1 encourages)."""
 
+    same_on_any_thread = True
+
     def __init__(self, penalty: float):
         self.penalty = SETTINGS["repetition_penalty"].require(penalty)
 
@@ -187,6 +146,7 @@ class _OccurrencePenalty:
     subtract `penalty` times `_amount(counts)`. Columns before `prompt_length` are the prompt."""
 
     setting: ClassVar[str]
+    same_on_any_thread = True
 
     def __init__(self, penalty: float, prompt_length: int = 0):
         self.penalty = SETTINGS[self.setting].require(penalty)
@@ -228,6 +188,8 @@ class NoRepeatNGram:
     row in a padded batch blocks exactly the n-grams it blocks alone.
     """
 
+    same_on_any_thread = True
+
     def __init__(self, ngram_size: int, pad_counts: Sequence[int] | torch.Tensor | None = None):
         self.ngram_size = SETTINGS["no_repeat_ngram_size"].require(ngram_size)
         self.pad_counts = None if pad_counts is None else torch.as_tensor(pad_counts, dtype=torch.long)
@@ -256,6 +218,8 @@ class MinNewTokens:
     """Forbid the end-of-sequence tokens until `min_new_tokens` tokens have been generated after the
     first `prompt_length` columns."""
 
+    same_on_any_thread = True
+
     def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Iterable[int]):
         self.prompt_length = prompt_length
         self.min_new_tokens = SETTINGS["min_new_tokens"].require(min_new_tokens)
@@ -272,6 +236,7 @@ class LogitBias:
     """Add a fixed bias to chosen tokens' logits ({token id: bias}); -100 all but bans a token."""
 
     needs_history = False
+    same_on_any_thread = True
 
     def __init__(self, bias: Mapping[int, float]):
         self.bias = check_logit_bias_ids(bias)
@@ -291,11 +256,14 @@ class LogitBias:
 
 class ProcessorChain:
     """Processors applied in order. `needs_history`: some processor reads the text (input_ids), so the
-    loop must keep all of it; a plain callable is assumed to."""
+    loop must keep all of it; a plain callable is assumed to. `same_on_any_thread`: every processor
+    gives the same numbers whatever torch's thread count and keeps no state shared with another row's
+    chain, so a row's chain may run on a worker thread (row_choice.py); a plain callable is assumed not."""
 
     def __init__(self, processors: Iterable[LogitsProcessor]):
         self.processors = list(processors)
         self.needs_history = any(getattr(p, "needs_history", True) for p in self.processors)
+        self.same_on_any_thread = all(getattr(p, "same_on_any_thread", False) for p in self.processors)
         # Processors that want each step's chosen tokens before the next forward pass (a constraint's
         # masks are built meanwhile); see ConstraintMask.chosen.
         hooks = (getattr(p, "chosen", None) for p in self.processors)
