@@ -163,7 +163,8 @@ def test_prefix_cache_memory_bound_and_eviction(loaded):
     assert small.bytes == 0 and len(small) == 0  # a block bigger than the bound is kept nowhere
 
 
-@pytest.mark.full  # about 15 s on two idle cores (a 100-token prompt prefilled alone for each reference)
+# About 11 s on two idle cores (a 100-token prompt prefilled alone for each reference): in the default
+# suite, as the one case of rows entering and leaving on the real model.
 def test_real_default_model_rows_entering_and_leaving(smollm2_gguf):
     """As loaded by default, with the prefix cache a job gets (prefix_cache_for)."""
     model, tokenizer = lmcli.load(smollm2_gguf)
