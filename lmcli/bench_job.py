@@ -96,7 +96,7 @@ def measure(settings: Any, resolved: Any, progress: Callable[[str], None]) -> di
             progress(f"job: {scheduler}, batch size {batch_size}")
             runs[scheduler] = _run(model, tokenizer, path, batch_size, scheduler)
             progress(f"job: its first {batch_size} rows without stops, then a greedy batch")
-            runs[scheduler]["reference"] = _full_batch(model, tokenizer, path, batch_size, Path(scratch))
+            runs[scheduler]["reference"] = _full_batch(model, tokenizer, path, batch_size)
             runs[scheduler]["greedy"] = _greedy_batch_decode(model, tokenizer, path, batch_size)
     for figures in runs.values():
         figures["efficiency"] = round(figures["tokens_per_s"] / figures["reference"]["tokens_per_s"], 3)
@@ -106,8 +106,7 @@ def measure(settings: Any, resolved: Any, progress: Callable[[str], None]) -> di
             "threads": _threads(), "runs": runs, "same_rows": identical}
 
 
-def _run(model: Any, tokenizer: Any, path: Path, batch_size: int, scheduler: str,
-         ignore_eos: bool = False) -> dict[str, Any]:
+def _run(model: Any, tokenizer: Any, path: Path, batch_size: int, scheduler: str) -> dict[str, Any]:
     from lmcli.generation.continuous import SCHEDULER_ENV
     from lmcli.jobs import JobOutput, run_job
     from lmcli.settings import GenerationSettings
@@ -117,8 +116,8 @@ def _run(model: Any, tokenizer: Any, path: Path, batch_size: int, scheduler: str
     os.environ[SCHEDULER_ENV] = scheduler
     try:
         started = time.perf_counter()
-        report = run_job(path, JobOutput(out), GenerationSettings(chat=True, ignore_eos=ignore_eos),
-                         load=lambda: (model, tokenizer), batch_size=batch_size)
+        report = run_job(path, JobOutput(out), GenerationSettings(chat=True), load=lambda: (model, tokenizer),
+                         batch_size=batch_size)
         seconds = time.perf_counter() - started
     finally:
         if before is None:
@@ -135,41 +134,45 @@ def _run(model: Any, tokenizer: Any, path: Path, batch_size: int, scheduler: str
     stats = report.continuous
     if stats is not None:
         figures.update(occupancy=round(stats.occupancy, 3), prefill_requested=stats.prefill_requested,
-                       prefill_computed=stats.prefill_computed, steps=stats.steps, busy=stats.busy,
-                       decode_seconds=round(stats.decode_seconds, 3))
+                       prefill_computed=stats.prefill_computed, steps=stats.steps)
     return figures
 
 
-def _full_batch(model: Any, tokenizer: Any, path: Path, batch_size: int, scratch: Path) -> dict[str, Any]:
-    """Decode tokens/s of the job's first `batch_size` rows (repeated if fewer), their own settings, each
-    making the same number of tokens with EOS ignored, in one continuous batch that stays full."""
+def _first_rows(path: Path, batch_size: int) -> list[Any]:
+    """The job's first `batch_size` good rows (job_input.JobRow, as a job reads them), repeated if fewer."""
+    import itertools
+
+    from lmcli.job_input import JobRows
     from lmcli.settings import GenerationSettings
 
-    first: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as file:
-        for line in file:
-            if line.strip():
-                first.append(_as_object(line))
-            if len(first) == batch_size:
-                break
-    asked = [row.get("max_new_tokens") for row in first]
-    default = GenerationSettings().max_new_tokens
-    tokens = min(FULL_BATCH_TOKENS, max(n if isinstance(n, int) and n > 0 else default for n in asked))
-    rows = [dict(first[i % len(first)], id=f"full-batch-{i}", max_new_tokens=tokens) for i in range(batch_size)]
-    full = scratch / "full-batch.jsonl"
-    full.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    figures = _run(model, tokenizer, full, batch_size, "continuous", ignore_eos=True)
-    return {"batch_size": batch_size, "row_tokens": tokens, "occupancy": figures.get("occupancy"),
-            "tokens_per_s": round(figures["busy"] / figures["decode_seconds"], 2)}
+    good = (row for row in JobRows(path, GenerationSettings(chat=True))
+            if row.prompt is not None and row.settings is not None)
+    first = list(itertools.islice(good, batch_size))
+    return list(itertools.islice(itertools.cycle(first), batch_size))
 
 
-def _as_object(line: str) -> dict[str, Any]:
-    """A job line as a JSON object: a plain-text line is its prompt."""
-    try:
-        value = json.loads(line)
-    except ValueError:
-        value = None
-    return value if isinstance(value, dict) else {"prompt": line.rstrip("\n")}
+def _full_batch(model: Any, tokenizer: Any, path: Path, batch_size: int) -> dict[str, Any]:
+    """Decode tokens/s of the job's first `batch_size` rows, their own settings, each making the same
+    number of tokens with EOS ignored, in one continuous batch that stays full."""
+    import dataclasses
+
+    from lmcli.generation.continuous import ContinuousRun
+    from lmcli.generation.rows import prepare_row
+
+    first = _first_rows(path, batch_size)
+    tokens = min(FULL_BATCH_TOKENS, max(row.settings.max_new_tokens for row in first))
+    rows = [prepare_row(tokenizer, f"full-batch-{i}", row.prompt,
+                        dataclasses.replace(row.settings, max_new_tokens=tokens, ignore_eos=True))
+            for i, row in enumerate(first)]
+    run = ContinuousRun(model, tokenizer, batch_size, on_done=lambda result: None, alone=_not_alone)
+    run.run(rows, isolate=_not_alone)
+    stats = run.stats
+    return {"batch_size": batch_size, "row_tokens": tokens, "occupancy": round(stats.occupancy, 3),
+            "tokens_per_s": round(stats.busy / stats.decode_seconds, 2)}
+
+
+def _not_alone(rows: Any) -> None:
+    raise RuntimeError("bench --sections job: a row of the full-batch reference could not run in the batch")
 
 
 def _greedy_batch_decode(model: Any, tokenizer: Any, path: Path, batch_size: int) -> dict[str, Any]:
@@ -177,13 +180,9 @@ def _greedy_batch_decode(model: Any, tokenizer: Any, path: Path, batch_size: int
     import torch
 
     from lmcli.generation.rows import prepare_row
-    from lmcli.job_input import read_rows
-    from lmcli.settings import GenerationSettings
 
     prompts = [prepare_row(tokenizer, row.id, row.prompt, row.settings).prompt_ids
-               for row in read_rows(path, GenerationSettings(chat=True))[:batch_size]
-               if row.prompt is not None and row.settings is not None]
-    prompts = (prompts * batch_size)[:batch_size]
+               for row in _first_rows(path, batch_size)]
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
