@@ -337,7 +337,7 @@ def print_models(terminal: bool) -> None:
 
     local = [
         (m.name, "default" if m.default else "", _SOURCES[m.source],
-         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.revision, m.note)
         for m in model_names.installed_models()
     ]
     presets = []
@@ -363,12 +363,13 @@ def print_models(terminal: bool) -> None:
     models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
                          caption_justify="left")
     notes = any(row[-1] for row in local)
-    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
+    columns = ("name", "from", "size", "path", "revision", "note")[: 6 if notes else 5]
+    for column in columns:
         models_table.add_column(column, overflow="fold")
     for name, default, *rest in local:
-        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: len(columns) - 1])
     if not local:
-        models_table.add_row("(none found)", "", "", "")
+        models_table.add_row("(none found)", *[""] * (len(columns) - 1))
     console.print(models_table)
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
