@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lmcli.errors import CheckpointError, ConfigError, LmcliError, UsageError
+from lmcli.errors import CheckpointError, ConfigError, UsageError
 
 if TYPE_CHECKING:
     from huggingface_hub.hf_api import RepoSibling
@@ -59,8 +59,8 @@ PRESETS: dict[str, str] = {
 # What an HF directory needs, besides its safetensors weights (top level only).
 DIRECTORY_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-    "spiece.model", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt",
-    "chat_template.jinja", "chat_template.json",
+    "spiece.model", "source.spm", "target.spm", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "merges.txt", "chat_template.jinja", "chat_template.json",
 )
 INDEX = "model.safetensors.index.json"
 _PART = re.compile(r"-\d{5}-of-\d{5}$")  # a split GGUF's part: lmcli reads single files
@@ -122,6 +122,8 @@ def ref_for_name(name: str, revision: str | None = None) -> HubRef | None:
     ref = parse_ref(name, revision)
     if ref is not None:
         return ref
+    if name in model_names.DEFAULT_ALIASES or registry.FLAGSHIP_PRESETS.get(name, name) in model_names.PACKAGED:
+        return None  # installed from PyPI (model_names.pull), not from the hub
     if name in PRESETS:
         preset = parse_ref(PRESETS[name], revision)
         return None if preset is None else replace(preset, text=name)
@@ -178,8 +180,8 @@ def resolve_name(name: str, revision: str | None = None, *, notice: Callable[[st
     from lmcli import model_names, registry
 
     typed = parse_ref(name, revision)
-    if typed is None and name not in PRESETS:
-        return model_names.resolve(name)  # local names, packaged models, lmcli's presets
+    if typed is None and ref_for_name(name) is None:
+        return model_names.resolve(name)  # local names, the packaged models
     searched = ""
     check_as = None
     if typed is None and registry.model_type_for_name(name) is not None:  # `mistral`: its preset's repo first
@@ -338,10 +340,9 @@ def pull(name: str, revision: str | None = None) -> Path:
 
     Contacts the hub even when the model is on disk (a branch may have moved); offline, only checks
     that it is on disk."""
-    from lmcli import model_names, registry
+    from lmcli import model_names
 
-    packaged = registry.FLAGSHIP_PRESETS.get(name, name)
-    if name in model_names.DEFAULT_ALIASES or (packaged in model_names.PACKAGED and parse_ref(name) is None):
+    if name in model_names.DEFAULT_ALIASES or registry_packaged(name):
         if revision:
             raise UsageError(f"lmcli pull {name}: --revision applies to hub models, not the packaged {name}")
         return model_names.pull(model_names.DEFAULT_MODEL if name in model_names.DEFAULT_ALIASES else name)
@@ -494,14 +495,12 @@ def _hub_errors(ref: HubRef, file: str | None = None) -> Iterator[None]:
             raise CheckpointError(f"{what}: the hub refused access ({status}): if this model is gated, accept its "
                                   f"licence at {page} and set HF_TOKEN") from None
         raise CheckpointError(f"{what}: {endpoint()} answered {status}: {_first(error)}") from None
-    except (*_transport_errors(), errors.LocalEntryNotFoundError) as error:
+    except (errors.LocalEntryNotFoundError, *_transport_errors()) as error:  # type: ignore[misc]
         raise CheckpointError(f"{what}: cannot reach {endpoint()} ({_first(error)}); "
                               "a model already on disk runs with --offline") from None
     except OSError as error:
         if "Consistency check failed" in str(error):  # huggingface_hub's size check
             raise CheckpointError(f"{what}: {file} arrived with the wrong size ({_first(error)})") from None
-        if isinstance(error, LmcliError):
-            raise
         where = error.filename or _cache()
         raise CheckpointError(f"{what}: cannot write {where}: {error.strerror or error}") from None
 
@@ -539,8 +538,7 @@ def _progress(label: str, quiet: bool) -> Iterator[type]:
     if not console.is_terminal:
         yield _plain_bar(label)
         return
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
-                               TransferSpeedColumn)
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=console, transient=False) as progress:

@@ -177,7 +177,8 @@ def _handler(hub: HubServer, name: str) -> type[BaseHTTPRequestHandler]:
                 return self._info(info.group(1), info.group(2) or "main", head)
             resolve = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
             if resolve is not None:
-                return self._resolve(*resolve.groups(), head=head)
+                repo_id, revision, file = resolve.groups()
+                return self._resolve(repo_id, revision, file, head)
             self._error(404, "NotFound", head)
 
         def _repo(self, repo_id: str, revision: str, head: bool) -> tuple[Repo, str] | None:

@@ -111,12 +111,12 @@ def env(server, tmp_path, monkeypatch):
     return cache
 
 
-def lmcli(*args: str):
-    return CliRunner().invoke(app, list(args))
+def lmcli(*args: str, input: str | None = None):
+    return CliRunner().invoke(app, list(args), input=input)
 
 
-def ok(*args: str):
-    result = lmcli(*args)
+def ok(*args: str, input: str | None = None):
+    result = lmcli(*args, input=input)
     assert result.exit_code == 0, (args, result.output, result.stderr)
     return result
 
@@ -175,6 +175,19 @@ def test_m_downloads_on_first_use_with_a_notice(env, server, sources):
     assert content_gets(server) == ["tiny-Q8_0.gguf"]
     # On a pipe, plain progress lines on stderr (a terminal gets a rich bar).
     assert "lmcli: downloading TinyOrg/tiny-GGUF/tiny-Q8_0.gguf (" in result.stderr and ": done, " in result.stderr
+
+
+def test_chat_and_a_job_take_a_ref_too(env, server, sources, tmp_path):
+    chat = ok("chat", "-m", DIR_REPO, "--greedy", "-n", "6", input="hi\nand again\n")
+    assert f"{DIR_REPO} is not on disk: downloading" in chat.stderr
+    assert chat.stdout == ok("chat", "-c", str(sources["main"]), "--greedy", "-n", "6", input="hi\nand again\n").stdout
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\nworld wide\n")
+    job = ["--input", str(prompts), "--greedy", "-n", "4"]
+    by_ref = [json.loads(line) for line in ok("generate", "-m", f"{GGUF_REPO}:Q4_K_S", *job).stdout.splitlines()]
+    by_path = [json.loads(line) for line in ok("generate", "-c", str(sources["Q4_K_S"]), *job).stdout.splitlines()]
+    assert [row["completion"] for row in by_ref] == [row["completion"] for row in by_path] and len(by_ref) == 2
+    assert by_ref[0]["model"]["fingerprint"] == by_path[0]["model"]["fingerprint"]  # the same files
 
 
 def test_a_terminal_gets_a_rich_progress_bar(env, server, monkeypatch):
@@ -339,7 +352,7 @@ def test_models_lists_what_was_pulled_and_rm_removes_it(env, server):
     scan = {repo.repo_id: repo for repo in scan_cache_dir(env).repos}
     rows = _listed()
     main = server.repos[DIR_REPO].refs["main"]
-    name, default, source, size, path, revision = rows[DIR_REPO][:6]
+    source, size, revision = (rows[DIR_REPO][i] for i in (2, 3, 5))
     assert source == "HF hub cache" and revision == f"main {main[:12]}"
     by_commit = {r.commit_hash: r for r in scan[DIR_REPO].revisions}
     assert size == human_bytes(by_commit[main].size_on_disk)
