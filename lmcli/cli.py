@@ -29,6 +29,7 @@ from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring
 from lmcli.command_group import LmcliGroup, defer_collection, resume_collection
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
+from lmcli.hub import PRESETS as HUB_PRESETS  # huggingface_hub itself loads only for a download
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 
@@ -563,7 +564,7 @@ def models() -> None:
 def pull(
     name: Annotated[str, typer.Argument(metavar="REF", show_default=False, help=(
         "ORG/REPO (an HF directory: config, tokenizer, safetensors), ORG/REPO:QUANT (one GGUF file, e.g. "
-        "Q4_K_M), ORG/REPO/FILE.gguf, a preset (mistral, qwen2, llama3.2, gemma2, gpt2, mixtral), or a "
+        f"Q4_K_M), ORG/REPO/FILE.gguf, a name ({', '.join(HUB_PRESETS)}; see 'lmcli models'), or a "
         "packaged model (smollm2-135m, gemma-3-270m)."))],
     revision: Annotated[str | None, _option(
         "REV", "A branch, tag or commit of the hub repo (default: main).", "--revision", panel=None)] = None,

@@ -347,12 +347,16 @@ def print_models(terminal: bool) -> None:
         sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
         presets.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
     architectures = ", ".join(registry.list_architectures())
+    from lmcli.hub import PRESETS
+
     if not terminal:
         for model_row in local:
             print("\t".join(("model", *model_row)).rstrip("\t"))
         print(f"architectures\t{architectures}")
         for row in presets:
             print("\t".join(("preset", *row)))
+        for name, ref in PRESETS.items():
+            print(f"hub\t{name}\t{ref}")
         return
     from rich.console import Console
     from rich.table import Table
@@ -382,3 +386,11 @@ def print_models(terminal: bool) -> None:
     for row in presets:
         table.add_row(*row)
     console.print(table)
+    hub = Table(title="From the HuggingFace Hub by name (lmcli pull NAME, or -m NAME: downloads on first use)",
+                title_justify="left", caption="Any ORG/REPO, ORG/REPO:QUANT or ORG/REPO/FILE.gguf works too.",
+                caption_justify="left")
+    hub.add_column("name")
+    hub.add_column("REF")
+    for name, ref in PRESETS.items():
+        hub.add_row(name, ref)
+    console.print(hub)

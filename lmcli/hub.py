@@ -202,7 +202,8 @@ def resolve_name(name: str, revision: str | None = None, *, notice: Callable[[st
     if offline():
         also = f"; searched {searched}" if searched else ""
         raise UsageError(f"offline: {name} is not on disk ({what}{also}); run 'lmcli pull {name}' with a network")
-    (notice or _stderr)(f"{name} is not on disk: downloading {ref} from {endpoint()} (once; --offline never does)")
+    (notice or _stderr)(f"{name} is not on disk: downloading {ref} from {endpoint()} into {_cache()} "
+                        "(--offline never downloads)")
     return fetch(ref), check_as
 
 
@@ -496,8 +497,8 @@ def _hub_errors(ref: HubRef, file: str | None = None) -> Iterator[None]:
                                   f"licence at {page} and set HF_TOKEN") from None
         raise CheckpointError(f"{what}: {endpoint()} answered {status}: {_first(error)}") from None
     except (errors.LocalEntryNotFoundError, *_transport_errors()) as error:  # type: ignore[misc]
-        raise CheckpointError(f"{what}: cannot reach {endpoint()} ({_first(error)}); "
-                              "a model already on disk runs with --offline") from None
+        raise CheckpointError(f"{what}: cannot reach {endpoint()} ({_first(error)}): check the network, "
+                              "or HF_ENDPOINT for a mirror") from None
     except OSError as error:
         if "Consistency check failed" in str(error):  # huggingface_hub's size check
             raise CheckpointError(f"{what}: {file} arrived with the wrong size ({_first(error)})") from None

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_fixtures import build_tiny_checkpoint, subprocess_env
+from cli_fixtures import subprocess_env, tiny_checkpoint  # noqa: F401 (a fixture)
 from hub_server import HubServer, git_blob_id
 from typer.testing import CliRunner
 
@@ -35,8 +35,9 @@ QUANTS = ("Q4_K_M", "Q4_K_S", "Q8_0")
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
-def _sharded(source: Path, target: Path) -> Path:
-    """`source`'s checkpoint with its weights split into two shards and an index, as large repos are."""
+def _sharded(source: Path, target: Path, negate_head: bool = False) -> Path:
+    """`source`'s checkpoint with its weights split into two shards and an index, as large repos are
+    (`negate_head`: another model, the same tokenizer, for a second revision)."""
     from safetensors.torch import load_file, save_file
 
     target.mkdir()
@@ -44,6 +45,8 @@ def _sharded(source: Path, target: Path) -> Path:
         if file.name != "model.safetensors":
             shutil.copy(file, target / file.name)
     tensors = load_file(source / "model.safetensors")
+    if negate_head:
+        tensors["lm_head.weight"] = -tensors["lm_head.weight"]
     names = sorted(tensors)
     weight_map = {}
     for shard, part in zip(SHARDS, (names[: len(names) // 2], names[len(names) // 2:])):
@@ -54,15 +57,12 @@ def _sharded(source: Path, target: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
+def sources(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
     """The files the hub serves, as directories and files on disk (what `-c` runs)."""
     from lmcli.bench_models import SyntheticLlama, write_synthetic_llama
 
     root = tmp_path_factory.mktemp("hub-sources")
-    found = {
-        "main": _sharded(build_tiny_checkpoint(root / "seed0"), root / "main"),
-        "v1": _sharded(build_tiny_checkpoint(root / "seed1", seed=1), root / "v1"),
-    }
+    found = {"main": _sharded(tiny_checkpoint, root / "main"), "v1": _sharded(tiny_checkpoint, root / "v1", True)}
     sizes = SyntheticLlama(vocab_size=400, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                            num_kv_heads=2, context_length=256)
     for seed, quant in enumerate(QUANTS):
@@ -322,6 +322,7 @@ def test_a_revision_pin(env, server, sources):
     assert pulled.name == v1
     repo_dir = pulled.parent.parent
     assert (repo_dir / "refs" / "v1").read_text() == v1 and not (repo_dir / "refs" / "main").exists()
+    assert generate("-c", str(sources["v1"])) != generate("-c", str(sources["main"]))  # two models
     assert generate("-m", f"{DIR_REPO}@v1") == generate("-c", str(sources["v1"]))
     assert generate("-m", f"{DIR_REPO}@{v1}") == generate("-c", str(sources["v1"]))
     ok("pull", DIR_REPO)
