@@ -68,6 +68,10 @@ _QUANT_TOKEN = re.compile(r"^(i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+class AmbiguousQuant(UsageError):
+    """ORG/REPO:QUANT matches several files."""
+
+
 @dataclass(frozen=True)
 class HubRef:
     """A model on the hub, as a REF names it."""
@@ -232,9 +236,9 @@ def find_on_disk(ref: HubRef) -> tuple[Path | None, str]:
         local = [str(p.relative_to(snapshot)) for p in snapshot.rglob("*.gguf") if p.is_file()]
         try:
             chosen = choose_gguf(ref, local)
-        except UsageError as error:
-            if "ambiguous" in str(error):
-                raise
+        except AmbiguousQuant:
+            raise
+        except UsageError:
             return None, f"no {ref.quant} GGUF file in {snapshot}"
         return snapshot / chosen, ""
     missing = missing_directory_files(snapshot)
@@ -295,9 +299,9 @@ def choose_gguf(ref: HubRef, files: list[str]) -> str:
         raise UsageError(f"{ref.repo} has no GGUF file for {ref.quant} ({choices})")
     quants = sorted({p.upper() for f in matches for p in parts(f) if p == wanted or p.startswith(wanted + "_")})
     if len(quants) > 1:
-        raise UsageError(f"{ref.repo}:{ref.quant} is ambiguous: {', '.join(quants)}; name one, "
+        raise AmbiguousQuant(f"{ref.repo}:{ref.quant} is ambiguous: {', '.join(quants)}; name one, "
                          f"e.g. {ref.repo}:{quants[0]}")
-    raise UsageError(f"{ref.repo}:{ref.quant} is ambiguous: {', '.join(sorted(matches))}; "
+    raise AmbiguousQuant(f"{ref.repo}:{ref.quant} is ambiguous: {', '.join(sorted(matches))}; "
                      f"name one, e.g. {ref.repo}/{sorted(matches)[0]}")
 
 
@@ -651,14 +655,17 @@ def _remove_file(ref: HubRef, revisions: list, cache: Any) -> str:
     removed, freed, emptied = [], 0, []
     for revision in revisions:
         names = [str(Path(f.file_path).relative_to(revision.snapshot_path)) for f in revision.files]
-        try:
-            chosen = ref.filename if ref.filename in names else choose_gguf(ref, names)
-        except UsageError as error:
-            if "ambiguous" in str(error):
+        if ref.filename is not None:
+            if ref.filename not in names:
+                continue
+            chosen = ref.filename
+        else:
+            try:
+                chosen = choose_gguf(ref, names)
+            except AmbiguousQuant:
                 raise
-            continue
-        if chosen is None:
-            continue
+            except UsageError:  # not in this revision
+                continue
         others = [f for f in revision.files if str(Path(f.file_path).relative_to(revision.snapshot_path)) != chosen]
         if not any(f.file_name.lower().endswith((".gguf", ".safetensors")) for f in others):
             emptied.append(revision.commit_hash)

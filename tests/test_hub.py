@@ -361,12 +361,16 @@ def test_models_lists_what_was_pulled_and_rm_removes_it(env, server):
         listed = rows[f"{GGUF_REPO}/tiny-{quant}.gguf"]
         assert Path(listed[4]).name == f"tiny-{quant}.gguf" and listed[5].startswith("main ")
     assert f"{GGUF_REPO}/tiny-Q4_K_M.gguf" not in rows
+    from lmcli.hub import PRESETS  # the names table is listed too, as `lmcli pull NAME` takes it
+
+    assert f"hub\tmistral\t{PRESETS['mistral']}" in ok("models").stdout.splitlines()
 
     assert "removed tiny-Q8_0.gguf of TinyOrg/tiny-GGUF" in ok("rm", f"{GGUF_REPO}:Q8_0").stdout
     files = {Path(f.file_path).name for r in scan_cache_dir(env).repos if r.repo_id == GGUF_REPO
              for rev in r.revisions for f in rev.files}
     assert files == {"tiny-Q4_K_S.gguf"}
     assert ok("generate", "--offline", "-m", f"{GGUF_REPO}:Q4_K_S", "-n", "2", PROMPT)
+    assert "no such file" in one_line_error(lmcli("rm", f"{GGUF_REPO}/tiny-Q8_0.gguf"), code=2)
     assert "removed TinyOrg/tiny-llama (2 revisions" in ok("rm", DIR_REPO).stdout
     assert DIR_REPO not in {repo.repo_id for repo in scan_cache_dir(env).repos}
     assert "is not in" in one_line_error(lmcli("rm", DIR_REPO), code=2)
