@@ -11,7 +11,7 @@ It answers what huggingface_hub calls, as huggingface.co does:
   (401 without a token, 403 with one that has no access).
 Faults a test switches on: `drop_once` (a file's first GET stops halfway and the connection closes),
 `corrupt` (a file is served with one byte changed, its listed checksums unchanged), `slow` (a file's
-body trickles out, so two clients overlap), `fail` (500 for a file). `log` records every request.
+body trickles out), `hold` (a file's body waits halfway for a second client), `fail` (500 for a file). `log` records every request.
 """
 
 from __future__ import annotations
@@ -61,6 +61,10 @@ class HubServer:
         self.corrupt: set[str] = set()
         self.slow: dict[str, float] = {}  # file name -> seconds between 4 KiB pieces
         self.fail: set[str] = set()
+        # file name -> n: its body stops halfway until n clients have asked for it (HEAD), so that two
+        # downloads of it overlap; `held` records the files released so (not by the 60 s timeout).
+        self.hold: dict[str, int] = {}
+        self.held: set[str] = set()
         self._lock = threading.Lock()
         self._servers: list[ThreadingHTTPServer] = []
 
@@ -86,6 +90,8 @@ class HubServer:
         self.corrupt.clear()
         self.slow.clear()
         self.fail.clear()
+        self.hold.clear()
+        self.held.clear()
 
     def requests(self, method: str | None = None, contains: str = "") -> list[Request]:
         with self._lock:
@@ -247,6 +253,17 @@ def _handler(hub: HubServer, name: str) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
+                return
+            if key in hub.hold:
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    if len([r for r in hub.requests("HEAD") if r.path.endswith("/" + key)]) >= hub.hold[key]:
+                        hub.held.add(key)
+                        break
+                    time.sleep(0.01)
+                self.wfile.write(body[len(body) // 2:])
                 return
             delay = hub.slow.get(key)
             if delay:

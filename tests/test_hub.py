@@ -392,8 +392,7 @@ def test_rm_of_one_revision_keeps_the_other(env, server, sources):
 
 
 def test_two_pulls_of_the_same_repo_at_once_leave_it_whole(env, server, sources):
-    for shard in SHARDS:
-        server.slow[shard] = 0.01  # the shards trickle out, so the two processes overlap
+    server.hold[SHARDS[0]] = 2  # the first shard waits halfway until both processes have asked for it
     environment = subprocess_env(HF_HOME=os.environ["HF_HOME"], HF_HUB_CACHE=str(env), HF_ENDPOINT=server.url,
                                  HF_HUB_OFFLINE="0", LMCLI_MODELS_DIR=os.environ["LMCLI_MODELS_DIR"])
     pulls = [subprocess.Popen([sys.executable, "-m", "lmcli", "pull", DIR_REPO], env=environment,
@@ -404,6 +403,7 @@ def test_two_pulls_of_the_same_repo_at_once_leave_it_whole(env, server, sources)
     pulled = Path(path)
     for name in (p.name for p in sources["main"].iterdir()):
         assert sha256(pulled / name) == sha256(sources["main"] / name), name
+    assert server.held == {SHARDS[0]}  # they did overlap
     assert not [p for p in env.rglob("*") if p.name.endswith(".incomplete")]
     assert generate("--offline", "-m", DIR_REPO) == generate("-c", str(sources["main"]))
 
