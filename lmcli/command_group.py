@@ -58,7 +58,9 @@ class LmcliGroup(TyperGroup):
         _debug = "--debug" in args[:end]
         if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by models/kernel_plan.py
             os.environ["LMCLI_FAST_KERNELS"] = "1"
-        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels")] + args[end:]
+        if "--offline" in args[:end]:  # like --debug, anywhere; read by lmcli/hub.py (and huggingface_hub)
+            os.environ["HF_HUB_OFFLINE"] = "1"
+        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels", "--offline")] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
                                windows_expand_args=windows_expand_args, **extra)

@@ -337,7 +337,7 @@ def print_models(terminal: bool) -> None:
 
     local = [
         (m.name, "default" if m.default else "", _SOURCES[m.source],
-         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.note)
+         human_bytes(model_names.size_on_disk(m.path)) if m.path.exists() else "", str(m.path), m.revision, m.note)
         for m in model_names.installed_models()
     ]
     presets = []
@@ -347,12 +347,16 @@ def print_models(terminal: bool) -> None:
         sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
         presets.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
     architectures = ", ".join(registry.list_architectures())
+    from lmcli.hub import PRESETS
+
     if not terminal:
         for model_row in local:
             print("\t".join(("model", *model_row)).rstrip("\t"))
         print(f"architectures\t{architectures}")
         for row in presets:
             print("\t".join(("preset", *row)))
+        for name, ref in PRESETS.items():
+            print(f"hub\t{name}\t{ref}")
         return
     from rich.console import Console
     from rich.table import Table
@@ -363,12 +367,13 @@ def print_models(terminal: bool) -> None:
     models_table = Table(title="Models on this machine (--model NAME)", title_justify="left", caption=searched,
                          caption_justify="left")
     notes = any(row[-1] for row in local)
-    for column in ("name", "from", "size", "path", "note")[: 5 if notes else 4]:
+    columns = ("name", "from", "size", "path", "revision", "note")[: 6 if notes else 5]
+    for column in columns:
         models_table.add_column(column, overflow="fold")
     for name, default, *rest in local:
-        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: 4 if notes else 3])
+        models_table.add_row(f"{name} [bold](default)[/bold]" if default else name, *rest[: len(columns) - 1])
     if not local:
-        models_table.add_row("(none found)", "", "", "")
+        models_table.add_row("(none found)", *[""] * (len(columns) - 1))
     console.print(models_table)
     console.print(f"[bold]Architectures:[/bold] {architectures}")
     table = Table(title="Presets (--model NAME with a .safetensors file, or to find its repo locally)",
@@ -381,3 +386,11 @@ def print_models(terminal: bool) -> None:
     for row in presets:
         table.add_row(*row)
     console.print(table)
+    hub = Table(title="From the HuggingFace Hub by name (lmcli pull NAME, or -m NAME: downloads on first use)",
+                title_justify="left", caption="Any ORG/REPO, ORG/REPO:QUANT or ORG/REPO/FILE.gguf works too.",
+                caption_justify="left")
+    hub.add_column("name")
+    hub.add_column("REF")
+    for name, ref in PRESETS.items():
+        hub.add_row(name, ref)
+    console.print(hub)

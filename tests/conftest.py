@@ -32,6 +32,8 @@ def pytest_configure(config):
     # cache's own tests (test_startup_packed.py) turn it on.
     os.environ.setdefault("LMCLI_PACKED_CACHE", "0")
     os.environ.setdefault("LMCLI_COMPILE", "0")  # no compiled program runs unless a test asks (test_compile*.py)
+    # Nothing is downloaded unless a test asks (test_hub.py, against its own local server).
+    os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_unconfigure(config):
