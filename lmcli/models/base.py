@@ -17,7 +17,6 @@ from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
 from lmcli.errors import first_line
-from lmcli.generation import loop
 from lmcli.models.layers import (
     MLP,
     Attention,
@@ -29,6 +28,7 @@ from lmcli.models.layers import (
 )
 from lmcli.models.linear import WeightCounting
 from lmcli.models.numerics import HasNumerics, Numerics
+from lmcli.models.slots import positions_from_mask
 
 if TYPE_CHECKING:
     from lmcli.models.cache import LayerCache, ModelCache
@@ -134,7 +134,7 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         slot_is_token = attention_mask.bool()
-        positions = loop.positions_from_mask(slot_is_token)
+        positions = positions_from_mask(slot_is_token)
         query_slots = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward_slots(input_ids, positions, query_slots, slot_is_token)
 
@@ -290,27 +290,14 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
         return cache.traverse(fn)
 
-    @torch.inference_mode()
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode.
+        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode:
+        `lmcli.generation.generate(self, ...)`, whose docstring is the contract (speculation included).
+        The one call from the models up into the generation layer, made lazily, when a model generates."""
+        from lmcli.generation import generate  # the documented exception to the layer order
 
-        A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s;
-        `prompt_lookup=K` decodes speculatively by prompt lookup, guessing up to K tokens a pass, and
-        `draft_model=` (a model with the same tokenizer, `num_draft_tokens=` its K) with a draft: the same
-        greedy tokens, or the same sampling distribution (`lmcli.generation.speculative.generate`,
-        which also takes `stats=`).
-        """
-        lookup = kwargs.pop("prompt_lookup", None)
-        if lookup is not None or kwargs.get("draft_model") is not None:
-            from lmcli.generation import speculative
-
-            if lookup is not None:
-                if kwargs.get("draft_model") is not None or "num_draft_tokens" in kwargs:
-                    raise ValueError("prompt_lookup=K is its own num_draft_tokens and takes no draft_model")
-                kwargs["num_draft_tokens"] = lookup
-            return speculative.generate(self, *args, **kwargs)
-        kwargs.pop("draft_model", None)
-        return loop.generate(self, *args, **kwargs)
+        result: torch.Tensor | None = generate(self, *args, **kwargs)
+        return result
 
     @property
     def device(self) -> torch.device:

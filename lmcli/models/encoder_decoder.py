@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmcli.generation.loop import positions_from_mask
 from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
 from lmcli.models.layers import MLP, make_norm
 from lmcli.models.linear import WeightCounting
 from lmcli.models.numerics import HasNumerics
+from lmcli.models.slots import positions_from_mask
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
