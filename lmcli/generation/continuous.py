@@ -250,12 +250,7 @@ class ContinuousRun:
         reason = take_token(result, value, live.policy.stop_at_eos, None)
         if reason is None:
             return False
-        mask = live.policy.mask
-        error = None
-        if mask is not None:
-            error = mask.row_error(0)
-            mask.release(0)
-        finish_row(result, reason, None, self.on_done, error)
+        finish_row(result, reason, None, self.on_done, live.chain.end_row(0))
         return True
 
     def _place(self, live: _Row) -> None:
@@ -340,7 +335,7 @@ class ContinuousRun:
         places = [place for place, live in enumerate(batch.rows) if live is not None]
         rows = [live for live in batch.rows if live is not None]
         tokens = self.chooser.run([partial(_token, live, logits[place:place + 1]) for place, live in zip(places, rows)],
-                                  [live.chain.same_on_any_thread and live.policy.mask is None for live in rows])
+                                  [live.chain.same_on_any_thread for live in rows])
         for place, live, token in zip(places, rows, tokens):
             if self._record(live, token, logits[place:place + 1]):
                 batch.rows[place] = None
