@@ -181,7 +181,10 @@ def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepar
     # the new tokens continue, is the decoder's (its start token, then what it generates).
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     # Each row's constraint (None: a free row) is the chain's first step, built by the same factory.
-    constraints = RowConstraints(tokenizer, [r.settings.constraint for r in rows], model.config.vocab_size)
+    wanted = [r.settings.constraint for r in rows]
+    constraints = None
+    if any(constraint is not None for constraint in wanted):
+        constraints = RowConstraints(tokenizer, wanted, model.config.vocab_size)
     do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
         prompt_length=1 if encoder_decoder else width,
         pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
