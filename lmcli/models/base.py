@@ -2,7 +2,8 @@
 
 An architecture module supplies a ModelConfig (from its HF config) and, where its checkpoint names
 differ from the llama-style names used here, a `convert_checkpoint` that renames tensors. Everything
-else — embeddings, the layer stack, the head, caching and generation — lives here once.
+else — embeddings, the layer stack, the head and caching — lives here once; generation sits above, in
+lmcli.generation, which runs a model through its slot contract (models/slots.py).
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
         """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`, with the
         arithmetic `numerics` chose (None: the load's, `self.numerics`). Here the step decides between
         the eager pass and a compiled program (built for the load's numerics: only those run it)."""
-        if numerics is None or numerics == self.numerics:
+        if numerics is None or numerics is self.numerics or numerics == self.numerics:
             compiled = self._compiled_decode
             if compiled is not None and cache is not None and input_ids.shape[1] == 1:
                 return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache,
