@@ -126,3 +126,46 @@ def test_lmcli_generate_is_model_generate_and_transformers_greedy(llama):
         want = reference.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                   pad_token_id=0, generation_config=config)
     assert got.tolist() == want.tolist()
+
+
+class _RowState:
+    """A processor with per-row state, as a constraint's mask keeps it."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        self.ended: list[int] = []
+
+    def __call__(self, input_ids, logits):
+        return logits
+
+    def end_row(self, row: int) -> str | None:
+        self.ended.append(row)
+        return self.errors.get(row)
+
+
+def test_a_constraint_is_the_chains_first_step_and_ends_rows_like_any_processor(monkeypatch):
+    """The constraint comes from the one chain factory, before the processors it would otherwise follow
+    (the chain without it, built independently), and a row's end reaches every processor with row state."""
+    from lmcli.generation import constraints
+    from lmcli.generation.sampling import ProcessorChain, RowConstraints, SamplingSettings
+
+    made = []
+
+    class Mask(_RowState):
+        def __init__(self, tokenizer, rows, vocab_size):
+            super().__init__({0: "json_schema: the engine gave up"})
+            made.append((tokenizer, rows, vocab_size))
+
+    monkeypatch.setattr(constraints, "ConstraintMask", Mask)
+    settings = SamplingSettings(temperature=0.7, top_k=3, repetition_penalty=1.1)
+    free = settings.policy()[1]
+    rows = ["a constraint", None]
+    do_sample, chain = settings.policy(constraints=RowConstraints("tokenizer", rows, 97))
+    assert do_sample and made == [("tokenizer", rows, 97)]
+    assert isinstance(chain[0], Mask) and [type(p) for p in chain[1:]] == [type(p) for p in free]
+    assert len(settings.policy(constraints=RowConstraints("tokenizer", [None, None], 97))[1]) == len(free)
+    other = _RowState({0: "second", 1: "only here"})
+    processors = ProcessorChain([*chain, other])
+    assert processors.end_row(0) == "json_schema: the engine gave up"  # the first error, in chain order
+    assert processors.end_row(1) == "only here"
+    assert chain[0].ended == [0, 1] and other.ended == [0, 1]
