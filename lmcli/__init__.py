@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "load": ("lmcli.loading", "load"),
+    "generate": ("lmcli.generation", "generate"),
     "BaseModel": ("lmcli.models.base", "BaseModel"),
     "ModelConfig": ("lmcli.config", "ModelConfig"),
     "LmcliError": ("lmcli.errors", "LmcliError"),

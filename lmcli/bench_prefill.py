@@ -28,6 +28,8 @@ import torch
 import lmcli
 path, length, rounds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model, _ = lmcli.load(path or None)
+from lmcli.generation.step import Step
+step = Step.of(model)  # the decoding step every scheduler runs the model through
 ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
 def prefill():
     start = time.perf_counter()
@@ -39,17 +41,13 @@ def prefill_in_chunks():  # eager, in the program's chunks: what the chunking al
     is_token = torch.ones(1, length + 1, dtype=torch.bool)
     start = time.perf_counter()
     with torch.inference_mode():
-        for first in range(0, length, CHUNK):
-            last = min(first + CHUNK, length)
-            model.forward_slots(ids[:, first:last], torch.arange(first, last)[None], torch.arange(first, last),
-                                is_token, cache, last_only=True)
+        step.prefill(ids, torch.arange(length)[None], torch.arange(length), is_token, cache, CHUNK)
     return time.perf_counter() - start
 def last_logits():
     cache = model.init_cache(1, length)
     is_token = torch.ones(1, length, dtype=torch.bool)
     with torch.inference_mode():
-        return model.forward_slots(ids, torch.arange(length)[None], torch.arange(length), is_token, cache,
-                                   last_only=True)[0, -1].float()
+        return step.prefill(ids, torch.arange(length)[None], torch.arange(length), is_token, cache)[0].float()
 prefill()  # first calls map pages and warm the kernels
 eager_logits = last_logits()
 from lmcli.models.compiled_prefill import CachedPrefill

@@ -376,6 +376,7 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
     from lmcli.models.base import BaseModel
     from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
     from lmcli.models.linear import QuantizedInstaller
+    from lmcli.models.numerics import Numerics
     from lmcli.quant.stored import GROUP, GroupQuantized
 
     if dtype is None or str(dtype) == "auto":
@@ -401,10 +402,12 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
             release_freed_memory()  # the weight's codes and packing buffers, back to the system now
         else:
             floats[name] = tensor.to(device=device, dtype=residual if tensor.is_floating_point() else tensor.dtype)
-    built.kernel_choices = installer.choices
-    if residual != activation:
-        built.activation_dtype = activation
-    built.batch_invariant = bool(installer.choices) and not fast_kernels()  # see models/row_attention.py
+    # What this load chose for the arithmetic, in one record the decoding step reads (models/numerics.py).
+    built.install_numerics(Numerics(
+        kernel_choices=installer.choices,
+        batch_invariant=bool(installer.choices) and not fast_kernels(),  # see models/row_attention.py
+        activation_dtype=activation if residual != activation else None,
+    ))
     return floats
 
 

@@ -291,6 +291,7 @@ class ConstraintMask:
     """
 
     needs_history = True  # it reads each row's newest token
+    follows_text_step_by_step = True  # its matchers take every token as it is chosen: no speculation
 
     def __init__(self, tokenizer: Tokenizer, constraints: Sequence[Constraint | None], vocab_size: int,
                  names: Sequence[str] | None = None, overlap: bool = False):
@@ -424,6 +425,13 @@ class ConstraintMask:
         self._settle_keep()
         self.matchers[row] = None
         self.constraints[row] = None
+
+    def end_row(self, row: int) -> str | None:
+        """The chain's per-row hook (sampling.end_row): the row has ended; its error (`row_error`), then
+        its matcher dropped (`release`)."""
+        error = self.row_error(row)
+        self.release(row)
+        return error
 
     def row_error(self, row: int) -> str | None:
         """The engine's error for a row whose text broke its constraint, after the constraint's name

@@ -6,8 +6,8 @@ rows, `slot_is_token` [B, capacity] saying which columns hold each row's tokens,
 position counted within its own row. A row enters by being prefilled alone, in a one-row cache (reusing
 a cached prefix of its prompt, prefix_cache.py), exactly as a single run prefills it; its keys are then
 copied into a free row of the batch, at the columns that end where the batch's next column begins,
-and it decodes with the others from the next step. On the batch-invariant path (model.batch_invariant:
-attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
+and it decodes with the others from the next step. On the batch-invariant path (the load's
+Numerics.batch_invariant, models/numerics.py: attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
 any row count) a row's keys, logits and tokens are then those of its single run, whatever column it
 started at and whoever its neighbours are; each row chooses its tokens with its own processors and
 its own random stream, as `generate_batch` would for that row alone.
@@ -44,6 +44,7 @@ from lmcli.generation.rows import (
     take_token,
 )
 from lmcli.generation.sampling import ProcessorChain, make_processor_chain, make_sampler
+from lmcli.generation.step import Step
 from lmcli.models.cache import KVCache, ModelCache
 
 SCHEDULER_ENV = "LMCLI_JOB_SCHEDULER"  # "continuous" or "batches": overrides use_continuous's choice
@@ -61,7 +62,7 @@ def use_continuous(model: Any) -> bool:
             and getattr(model, "tensor_parallel", None) is None and getattr(model, "speculator", None) is None)
     if choice == "batches" or not able:
         return False
-    return choice == "continuous" or bool(getattr(model, "batch_invariant", False))
+    return choice == "continuous" or Step.of(model).numerics.batch_invariant
 
 
 @dataclass
@@ -123,6 +124,7 @@ class ContinuousRun:
                  alone: Callable[[PreparedRow], None], prefix_cache: PrefixCache | None = None,
                  prefill_chunk: int = PREFILL_CHUNK):
         self.model, self.tokenizer = model, tokenizer
+        self.step = Step.of(model)  # the one decoding step (step.py), with the load's numerics
         self.batch_size = batch_size
         self.on_done, self.alone = on_done, alone
         self.prefix_cache = prefix_cache
@@ -215,11 +217,10 @@ class ContinuousRun:
         self.stats.prefill_computed += n - cached
         x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, n)
         is_token = torch.ones(1, n, dtype=torch.bool, device=device)
-        logits = known if cached == n else None  # (1, V)
-        for begin in range(cached, n, self.prefill_chunk):
-            end = min(n, begin + self.prefill_chunk)
-            slots = torch.arange(begin, end, device=device)
-            logits = model.forward_slots(x[:, begin:end], slots[None], slots, is_token, one, last_only=True)[:, -1]
+        logits = known  # (1, V)
+        if cached < n:
+            slots = torch.arange(cached, n, device=device)
+            logits = self.step.prefill(x[:, cached:], slots[None], slots, is_token, one, self.prefill_chunk)
         assert logits is not None
         logits = logits.float()
         if self.prefix_cache is not None:
@@ -249,12 +250,7 @@ class ContinuousRun:
         reason = take_token(result, value, live.policy.stop_at_eos, None)
         if reason is None:
             return False
-        mask = live.policy.mask
-        error = None
-        if mask is not None:
-            error = mask.row_error(0)
-            mask.release(0)
-        finish_row(result, reason, None, self.on_done, error)
+        finish_row(result, reason, None, self.on_done, live.chain.end_row(0))
         return True
 
     def _place(self, live: _Row) -> None:
@@ -329,8 +325,8 @@ class ContinuousRun:
         positions = torch.tensor([[column - live.start if live is not None else 0] for live in batch.rows],
                                  device=device)  # (B, 1)
         feed = torch.tensor(batch.feed, dtype=torch.long, device=device)[:, None]  # (B, 1)
-        logits = self.model.forward_slots(feed, positions, torch.tensor([column], device=device),
-                                          batch.slot_is_token, batch.cache, last_only=True)[:, -1].float()
+        logits = self.step.decode(feed, positions, torch.tensor([column], device=device), batch.slot_is_token,
+                                  batch.cache).float()  # (B, V)
         batch.column += 1
         self.stats.steps += 1
         self.stats.busy += sum(busy)
@@ -339,7 +335,7 @@ class ContinuousRun:
         places = [place for place, live in enumerate(batch.rows) if live is not None]
         rows = [live for live in batch.rows if live is not None]
         tokens = self.chooser.run([partial(_token, live, logits[place:place + 1]) for place, live in zip(places, rows)],
-                                  [live.chain.same_on_any_thread and live.policy.mask is None for live in rows])
+                                  [live.chain.same_on_any_thread for live in rows])
         for place, live, token in zip(places, rows, tokens):
             if self._record(live, token, logits[place:place + 1]):
                 batch.rows[place] = None

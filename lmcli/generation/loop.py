@@ -1,49 +1,28 @@
-"""The one generation loop: prefill, decode steps, stopping and streaming.
+"""Plain generation: the whole batch in step from its prompt to its last token, with stopping and
+streaming. The scheduler of `model.generate`; the others (continuous batching, speculation) sit beside
+it, and all of them run the model through the one decoding step (step.py).
 
 Slots are the columns of the left-padded sequence [B, prompt_len + max_new_tokens]; `slot_is_token`
 marks which hold real tokens, and each token's position is counted within its own row, so a padded
-row computes exactly what it computes alone.
+row computes exactly what it computes alone (models/slots.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any
 
 import torch
 
 from lmcli import threads
-from lmcli.config import ModelConfig, eos_id_list
+from lmcli.config import eos_id_list
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, make_sampler
+from lmcli.generation.step import Step
+from lmcli.models.slots import CacheT, ModelShape, SlotModel, positions_from_mask
 
-CacheT = TypeVar("CacheT")
-
-
-class ModelShape(Protocol):
-    """A model's config and device: what code below the models (this loop, the caches) sizes things by."""
-
-    @property
-    def config(self) -> ModelConfig: ...
-
-    @property
-    def device(self) -> torch.device: ...
-
-
-class SlotModel(ModelShape, Protocol[CacheT]):
-    """What the loop needs of a model (lmcli.models.base.BaseModel is one); the loop sits below the
-    models and knows them only through this, so a cache is whatever the model's init_cache returns."""
-
-    def init_cache(self, batch_size: int, max_length: int) -> CacheT: ...
-
-    def forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
-                      slot_is_token: torch.Tensor, cache: CacheT | None = None,
-                      last_only: bool = False) -> torch.Tensor: ...
-
-
-def positions_from_mask(slot_is_token: torch.Tensor) -> torch.Tensor:
-    """Each token's position in its own row: pads on the left do not count. [B, S] -> [B, S] long."""
-    return (slot_is_token.long().cumsum(-1) - 1).clamp(min=0)
+__all__ = ["CacheT", "ModelShape", "SlotModel", "TokenEvent", "generate", "generate_from_cache",
+           "history_capacity", "positions_from_mask"]
 
 
 @dataclass
@@ -136,6 +115,7 @@ def generate_from_cache(model: SlotModel[CacheT], x: torch.Tensor, max_new_token
     eos_tensor = torch.tensor(eos, dtype=torch.long, device=device)
     choose = make_sampler(do_sample, seed, batch, device)
 
+    model_step = Step.of(model)
     parallel = getattr(model, "tensor_parallel", None)  # see lmcli.distributed
     if cache is None and use_cache:
         cache = model.init_cache(batch, min(total, max_positions))
@@ -150,18 +130,17 @@ def generate_from_cache(model: SlotModel[CacheT], x: torch.Tensor, max_new_token
             # Feed only what the cache does not hold yet: the whole prompt first, then one token.
             slots = torch.arange(cached, length, device=device)
             positions = positions_from_mask(slot_is_token[:, :length])[:, cached:length]
-            logits = model.forward_slots(ids[:, cached:length], positions, slots, slot_is_token, cache, last_only=True)
+            run = model_step.prefill if step == 0 else model_step.decode
+            logits = run(ids[:, cached:length], positions, slots, slot_is_token, cache)
             cached = length
         else:
             # Past max_position_embeddings the model sees only the last max_positions tokens,
             # recomputed without the cache at every step.
             start = max(0, length - max_positions)
             window_is_token = slot_is_token[:, start:length]
-            logits = model.forward_slots(
-                ids[:, start:length], positions_from_mask(window_is_token),
-                torch.arange(length - start, device=device), window_is_token, None, last_only=True,
-            )
-        logits = logits[:, -1].float()  # (B, V)
+            logits = model_step.decode(ids[:, start:length], positions_from_mask(window_is_token),
+                                    torch.arange(length - start, device=device), window_is_token, None)
+        logits = logits.float()  # (B, V)
 
         # Only processors that read the text so far get it; the others get an empty view.
         context = ids[:, :0]  # (B, 0)

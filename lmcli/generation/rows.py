@@ -153,15 +153,21 @@ class BatchPolicy:
     """How a batch's rows choose their tokens: built once per `generate` call from its rows' settings."""
 
     do_sample: bool
-    processors: list  # the whole chain (penalties, then temperature and truncation), constraints first
-    mask: Any  # constraints.ConstraintMask, or None when no row is constrained
+    processors: list  # the whole chain (each row's constraint, penalties, then temperature and truncation)
     stop_at_eos: set[int]
     pad_id: int
+
+    def end_row(self, row: int) -> str | None:
+        """Batch row `row` has ended: its processors' per-row state is dropped (sampling.end_row); what
+        went wrong with it (a constraint's engine gave up on its text), or None."""
+        from lmcli.generation.sampling import end_row
+
+        return end_row(self.processors, row)
 
 
 def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[PreparedRow], width: int) -> BatchPolicy:
     """The policy of rows sharing `batch_key()`, left-padded to `width` prompt tokens."""
-    from lmcli.generation.sampling import SamplingSettings
+    from lmcli.generation.sampling import RowConstraints, SamplingSettings
 
     settings = rows[0].settings
     eos_ids = tokenizer.eos_token_ids
@@ -174,19 +180,17 @@ def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepar
     # An encoder-decoder's prompt is its encoder's input: the text the processors see, and the one
     # the new tokens continue, is the decoder's (its start token, then what it generates).
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    # Each row's constraint (None: a free row) is the chain's first step, built by the same factory.
+    wanted = [r.settings.constraint for r in rows]
+    constraints = None
+    if any(constraint is not None for constraint in wanted):
+        constraints = RowConstraints(tokenizer, wanted, model.config.vocab_size)
     do_sample, processors = SamplingSettings.of(settings, logit_bias=bias).policy(
         prompt_length=1 if encoder_decoder else width,
         pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
-        eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size,
+        eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size, constraints=constraints,
     )
-    mask = None
-    if any(r.settings.constraint is not None for r in rows):
-        from lmcli.generation.constraints import ConstraintMask
-
-        # First in the chain: truncation (top-k/top-p) must choose among allowed tokens only.
-        mask = ConstraintMask(tokenizer, [r.settings.constraint for r in rows], model.config.vocab_size)
-        processors = [mask, *processors]
-    return BatchPolicy(do_sample, processors, mask, stop_at_eos, pad_id)
+    return BatchPolicy(do_sample, processors, stop_at_eos, pad_id)
 
 
 def new_result(tokenizer: Tokenizer, row: PreparedRow, started: float, encoder_decoder: bool = False) -> RowResult:
@@ -248,7 +252,7 @@ def generate_batch(
     device = model.device
     width = max(len(r.prompt_ids) for r in rows)
     policy = batch_policy(model, tokenizer, rows, width)
-    pad_id, mask, stop_at_eos = policy.pad_id, policy.mask, policy.stop_at_eos
+    pad_id, stop_at_eos = policy.pad_id, policy.stop_at_eos
     # Left padding, masked out: generate() gives each row what it gives alone.
     input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=device)
     attention_mask = None
@@ -262,10 +266,7 @@ def generate_batch(
     results = [new_result(tokenizer, r, started, encoder_decoder) for r in rows]
 
     def finish(row: int, reason: str) -> None:
-        error = None
-        if mask is not None:
-            error = mask.row_error(row)  # the engine gave up on the row (e.g. one of its limits)
-            mask.release(row)
+        error = policy.end_row(row)  # e.g. a constraint's engine gave up on the row (one of its limits)
         finish_row(results[row], reason, on_text, on_done, error)
 
     def on_token(event: TokenEvent) -> torch.Tensor:

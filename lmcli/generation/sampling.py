@@ -10,7 +10,13 @@ CLI and job rows say it) and for generate()'s own temperature/top_k/top_p (`samp
 where greedy is `do_sample=False`). The order is transformers': logit bias, repetition penalty,
 (presence and frequency penalties, which transformers lacks), n-gram blocking, minimum new tokens;
 then, when sampling, temperature, top-k, top-p, min-p and typical-p. A penalty therefore acts on the
-raw logits, before truncation.
+raw logits, before truncation. A structured-output constraint (`RowConstraints`: each row its own, or
+none) comes first, so that truncation chooses among allowed tokens only.
+
+Processors may keep per-row state (a constraint's matcher): such a processor has `end_row(row)`, which
+drops the row's state when it ends and returns what went wrong with it (None: nothing), and
+`follows_text_step_by_step` when it must see every token as it is chosen (speculation then stays off).
+Constrained and free rows share a chain: a free row's state is empty.
 """
 
 from __future__ import annotations
@@ -274,6 +280,10 @@ class ProcessorChain:
         for tell in self._told:
             tell(tokens)
 
+    def end_row(self, row: int) -> str | None:
+        """Batch row `row` has ended: see `end_row`."""
+        return end_row(self.processors, row)
+
     def __bool__(self) -> bool:
         return bool(self.processors)
 
@@ -282,6 +292,32 @@ class ProcessorChain:
         for processor in self.processors:
             logits = processor(input_ids, logits)
         return logits
+
+
+def end_row(processors: Iterable[LogitsProcessor], row: int) -> str | None:
+    """Batch row `row` has ended (EOS, a stop string, its token limit): every processor that keeps
+    per-row state drops the row's; returns the first error one recorded for it (e.g. a constraint's
+    engine gave up on the row's text), or None."""
+    errors = [end(row) for end in (getattr(p, "end_row", None) for p in processors) if callable(end)]
+    return next((error for error in errors if error is not None), None)
+
+
+@dataclass(frozen=True)
+class RowConstraints:
+    """Each batch row's structured-output constraint (lmcli.generation.constraints.Constraint, None for a
+    free row) and what their masks are built from; `processor()` is the chain's first step, or None
+    when no row is constrained."""
+
+    tokenizer: Any
+    constraints: Sequence[Any]
+    vocab_size: int
+
+    def processor(self) -> LogitsProcessor | None:
+        if all(constraint is None for constraint in self.constraints):
+            return None
+        from lmcli.generation.constraints import ConstraintMask
+
+        return ConstraintMask(self.tokenizer, list(self.constraints), self.vocab_size)
 
 
 def sampling_transforms(temperature: float, top_k: int | None, top_p: float | None) -> list[LogitsProcessor]:
@@ -366,17 +402,21 @@ class SamplingSettings(DecodingFields):
         check_logit_bias_ids(self.logit_bias)
 
     def policy(self, *, prompt_length: int = 0, pad_counts: Sequence[int] | None = None,
-               eos_token_ids: Iterable[int] = (), vocab_size: int | None = None) -> tuple[bool, list[LogitsProcessor]]:
-        """(do_sample, logits_processors) for generate(), in transformers' order: the processors, then,
-        when sampling, the warpers; a setting at its off value adds none. generate()'s own
-        temperature/top_k/top_p are then left at their neutral defaults, so the whole order is this list's.
+               eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
+               constraints: RowConstraints | None = None) -> tuple[bool, list[LogitsProcessor]]:
+        """(do_sample, logits_processors) for generate(): each row's constraint first (`constraints`),
+        then in transformers' order the processors, then, when sampling, the warpers; a setting at its
+        off value adds none. generate()'s own temperature/top_k/top_p are then left at their neutral
+        defaults, so the whole order is this list's.
 
         `prompt_length` is the (padded) prompt width, `pad_counts` each row's left padding."""
         self.check()
         context = _Context(prompt_length, pad_counts, eos_token_ids, vocab_size)
         steps = _PROCESSORS if self.greedy else (*_PROCESSORS, *_WARPERS)
-        return not self.greedy, [step.make(getattr(self, step.setting), context) for step in steps
-                                 if not SETTINGS[step.setting].is_off(getattr(self, step.setting))]
+        constraint = constraints.processor() if constraints is not None else None
+        return not self.greedy, [*([constraint] if constraint is not None else []),
+                                 *(step.make(getattr(self, step.setting), context) for step in steps
+                                   if not SETTINGS[step.setting].is_off(getattr(self, step.setting)))]
 
 
 # ----------------------------------------------------------------------------- per-row random streams

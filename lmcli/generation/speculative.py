@@ -41,6 +41,7 @@ from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row
 from lmcli.generation.speculative_batch import can_decode_together, decode_together
 from lmcli.generation.speculative_draft import DraftProposer, fits
 from lmcli.generation.speculative_sampling import accept_or_resample, draw
+from lmcli.generation.step import Step
 
 DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
 LONGEST_NGRAM = 3
@@ -173,8 +174,7 @@ def _why_not(model: Any, draft_model: Any, total: int, use_cache: bool,
         return "the text would pass the model's context, where decoding reads a sliding view without a cache"
     if draft_model is not None and not fits(draft_model, total):
         return f"the text would pass the draft model's context ({draft_model.config.max_position_embeddings})"
-    if any(getattr(p, "follows_text_step_by_step", False) or type(p).__name__ == "ConstraintMask"
-           for p in processors or ()):
+    if any(getattr(p, "follows_text_step_by_step", False) for p in processors or ()):
         return "a structured-output constraint follows the text one token at a time"
     return None
 
@@ -187,6 +187,7 @@ class _Row:
                  keep_logits: bool, on_token: Callable[[loop.TokenEvent], Any] | None,
                  generator: torch.Generator | None):
         self.model, self.index, self.batch = model, index, batch
+        self.step = Step.of(model)
         self.width = ids.shape[0]
         self.total = self.width + max_new_tokens
         self.max_new_tokens, self.max_draft = max_new_tokens, max_draft
@@ -213,9 +214,9 @@ class _Row:
         positions = loop.positions_from_mask(self.slot_is_token)  # (1, L)
         self.start(draft_model)
         # The prompt in one pass, as the plain loop feeds it; its last logits give the first token.
-        logits = model.forward_slots(self.ids[:, cached:self.width], positions[:, cached:self.width],
-                                     torch.arange(cached, self.width, device=device), self.slot_is_token, cache,
-                                     last_only=True)[0, -1:].float()  # (1, V)
+        logits = self.step.prefill(self.ids[:, cached:self.width], positions[:, cached:self.width],
+                                   torch.arange(cached, self.width, device=device), self.slot_is_token,
+                                   cache).float()  # (1, V)
         if self.first(logits[0]):
             return self.width
         while not self.done:
@@ -224,9 +225,9 @@ class _Row:
             guess, dists = self.propose()
             end = length + len(guess)
             # The newest token, then the guesses, each query as a one-token step would compute it.
-            logits = model.forward_slots(self.ids[:, length - 1:end], positions[:, length - 1:end],
-                                         torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
-                                         last_only=not guess)[0, -1 - len(guess):]
+            logits = self.step.forward(self.ids[:, length - 1:end], positions[:, length - 1:end],
+                                       torch.arange(length - 1, end, device=device), self.slot_is_token, cache,
+                                       last_only=not guess)[0, -1 - len(guess):]
             rejected = self.verify(logits.float(), guess, dists)  # (1 + len(guess), V)
             # The cache holds the newest token and every guess; keep only the guesses taken.
             if cache.trim(rejected) != rejected:  # never: the ring keeps max_draft spare slots

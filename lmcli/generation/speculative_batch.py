@@ -6,7 +6,7 @@ A row's rejected guesses cannot be trimmed from a cache the other rows share; th
 out of the row instead (`slot_is_token`), so a row's keys lie spread over the columns, in order, with
 their own positions. Row attention (models/row_attention.py) gathers each row's keys by that mask, so a
 row's queries meet exactly the keys of its single run, in the same order; with kernels that give a row
-the same numbers at any row count (`model.batch_invariant`) every logit is the single run's, and so is
+the same numbers at any row count (the load's Numerics.batch_invariant) every logit is the single run's, and so is
 every token (greedy) or draw (the row's own stream). Hence only there, and without sliding-window
 layers (a window is counted in columns there, which the gaps would stretch), and for prompt lookup (a
 draft model keeps a cache per row); elsewhere speculative.py decodes the rows one by one.
@@ -22,6 +22,7 @@ import torch
 from lmcli import threads
 from lmcli.config import SLIDING
 from lmcli.generation import loop
+from lmcli.generation.step import Step
 
 MAX_SHARED_CACHE_BYTES = 1 << 30  # the shared cache's bound: its columns hold every rejected guess too
 
@@ -32,8 +33,8 @@ def can_decode_together(model: Any, batch: int, draft_model: Any, cache: Any, wi
     of at most MAX_SHARED_CACHE_BYTES (else they go one by one, each in a cache it trims)."""
     config = model.config
     layer_types = getattr(config, "layer_types", None) or ()
-    able = (batch > 1 and draft_model is None and cache is None and bool(getattr(model, "batch_invariant", False))
-            and SLIDING not in layer_types and hasattr(model, "forward_slots")
+    able = (batch > 1 and draft_model is None and cache is None and hasattr(model, "forward_slots")
+            and Step.of(model).numerics.batch_invariant and SLIDING not in layer_types
             and getattr(model, "_compiled_decode", None) is None)  # a compiled step is checked on plain columns
     if not able:
         return False
@@ -56,6 +57,7 @@ def decode_together(model: Any, rows: Sequence[Any]) -> None:
     max_new, max_draft = rows[0].max_new_tokens, rows[0].max_draft
     columns = capacity(width, max_new, max_draft)
     cache = model.init_cache(batch, columns)
+    step = Step.of(model)
     slot_is_token = torch.zeros(batch, columns, dtype=torch.bool, device=device)  # (B, C)
     positions = torch.zeros(batch, columns, dtype=torch.long, device=device)  # (B, C)
     prompt_mask = torch.cat([row.slot_is_token[:, :width] for row in rows])  # (B, W)
@@ -65,8 +67,8 @@ def decode_together(model: Any, rows: Sequence[Any]) -> None:
     for row in rows:
         row.start()
     prompts = torch.cat([row.ids[:, :width] for row in rows])  # (B, W)
-    logits = model.forward_slots(prompts, positions[:, :width], torch.arange(width, device=device), slot_is_token,
-                                 cache, last_only=True)[:, -1].float()  # (B, V)
+    logits = step.prefill(prompts, positions[:, :width], torch.arange(width, device=device), slot_is_token,
+                          cache).float()  # (B, V)
     for i, row in enumerate(rows):
         row.first(logits[i])
     column = width
@@ -85,8 +87,8 @@ def decode_together(model: Any, rows: Sequence[Any]) -> None:
             newest = row.length - 1 - pads[i]  # the newest token's position in its own row
             positions[i, column:column + chunk] = torch.arange(newest, newest + chunk, device=device)
         slots = torch.arange(column, column + chunk, device=device)
-        logits = model.forward_slots(feed, positions[:, column:column + chunk], slots, slot_is_token, cache,
-                                     last_only=chunk == 1).float()  # (B, T, V)
+        logits = step.forward(feed, positions[:, column:column + chunk], slots, slot_is_token, cache,
+                              last_only=chunk == 1).float()  # (B, T, V)
         for i in going:
             guess, dists = proposed[i]
             rejected = rows[i].verify(logits[i, -chunk:][:1 + len(guess)], guess, dists)

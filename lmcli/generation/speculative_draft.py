@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lmcli.generation.step import Step
+
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
 
@@ -51,6 +53,7 @@ class DraftProposer:
 
     def __init__(self, draft: Any, tokens: list[int], total: int, max_draft: int, vocab_size: int):
         self.draft, self.tokens, self.vocab_size = draft, tokens, vocab_size
+        self.step = Step.of(draft)
         device = draft.device
         self.cache = draft.init_cache(1, total, rollback=max_draft)
         self.slot_is_token = torch.ones((1, total), dtype=torch.bool, device=device)  # (1, L)
@@ -63,8 +66,8 @@ class DraftProposer:
         start, end = self.fed, self.fed + len(ids)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.slots.device)
         positions = self.slots[None, start:end]
-        logits = self.draft.forward_slots(input_ids, positions, self.slots[start:end], self.slot_is_token,
-                                          self.cache, last_only=True)[0, -1].float()  # (V_draft,)
+        logits = self.step.decode(input_ids, positions, self.slots[start:end], self.slot_is_token,
+                                  self.cache)[0].float()  # (V_draft,)
         self.fed, self.passes = end, self.passes + 1
         if logits.shape[0] >= self.vocab_size:  # padded embedding rows past the tokenizer's: never chosen
             return logits[:self.vocab_size]

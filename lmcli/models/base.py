@@ -2,7 +2,8 @@
 
 An architecture module supplies a ModelConfig (from its HF config) and, where its checkpoint names
 differ from the llama-style names used here, a `convert_checkpoint` that renames tensors. Everything
-else — embeddings, the layer stack, the head, caching and generation — lives here once.
+else — embeddings, the layer stack, the head and caching — lives here once; generation sits above, in
+lmcli.generation, which runs a model through its slot contract (models/slots.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
 from lmcli.errors import first_line
-from lmcli.generation import loop
 from lmcli.models.layers import (
     MLP,
     Attention,
@@ -28,6 +28,8 @@ from lmcli.models.layers import (
     rope_inverse_frequencies,
 )
 from lmcli.models.linear import WeightCounting
+from lmcli.models.numerics import HasNumerics, Numerics
+from lmcli.models.slots import positions_from_mask
 
 if TYPE_CHECKING:
     from lmcli.models.cache import LayerCache, ModelCache
@@ -72,7 +74,7 @@ class Decoder(nn.Module):
         self.norm = make_norm(config)
 
 
-class BaseModel(WeightCounting, nn.Module):
+class BaseModel(HasNumerics, WeightCounting, nn.Module):
     """A decoder-only language model. `model(input_ids, attention_mask)` returns logits [B, T, vocab]."""
 
     def __init__(self, config: ModelConfig):
@@ -81,11 +83,8 @@ class BaseModel(WeightCounting, nn.Module):
         self.model = Decoder(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
-        self.batch_invariant = False  # attention per row and query (models/row_attention.py), set at load
-        self.kernel_choices: dict[str, Any] = {}  # weight format -> KernelChoice (models/kernel_plan.py)
-        # Quantized weights in half precision: the matrix products, attention and cache run in this dtype,
-        # the residual stream, norms and rotary in the (wider) float parameters' (`residual_dtype`).
-        self.activation_dtype: torch.dtype | None = None
+        # What a load chose for the arithmetic (kernel plan, invariance, activation dtype) is one frozen
+        # record, `self.numerics` (models/numerics.py), installed by the loader: no switch of its own here.
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
         self._compiled_prefill: Any = None  # models/compiled_prefill.CachedPrefill, see compile_decode
@@ -136,7 +135,7 @@ class BaseModel(WeightCounting, nn.Module):
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         slot_is_token = attention_mask.bool()
-        positions = loop.positions_from_mask(slot_is_token)
+        positions = positions_from_mask(slot_is_token)
         query_slots = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward_slots(input_ids, positions, query_slots, slot_is_token)
 
@@ -148,31 +147,40 @@ class BaseModel(WeightCounting, nn.Module):
         slot_is_token: torch.Tensor,  # [B, S_total] False for pad columns
         cache: ModelCache | None = None,
         last_only: bool = False,
+        numerics: Numerics | None = None,
     ) -> torch.Tensor:
-        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`."""
-        compiled = self._compiled_decode
-        if compiled is not None and cache is not None and input_ids.shape[1] == 1:
-            return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache, last_only)
-        prefill = self._compiled_prefill
-        if prefill is not None and cache is not None and last_only and prefill.takes(input_ids, query_slots,
-                                                                                     slot_is_token, cache):
-            return prefill(input_ids, positions, query_slots, slot_is_token, cache)
+        """Logits for the tokens `input_ids` at `query_slots`, reading and writing `cache`, with the
+        arithmetic `numerics` chose (None: the load's, `self.numerics`). Here the step decides between
+        the eager pass and a compiled program (built for the load's numerics: only those run it)."""
+        if numerics is None or numerics is self.numerics or numerics == self.numerics:
+            compiled = self._compiled_decode
+            if compiled is not None and cache is not None and input_ids.shape[1] == 1:
+                return self._decode_compiled(compiled, input_ids, positions, query_slots, slot_is_token, cache,
+                                             last_only)
+            prefill = self._compiled_prefill
+            if prefill is not None and cache is not None and last_only and prefill.takes(input_ids, query_slots,
+                                                                                         slot_is_token, cache):
+                return prefill(input_ids, positions, query_slots, slot_is_token, cache)
         slot_end = int(query_slots[-1]) + 1 if cache is not None else None  # one host sync per call
-        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
+        return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only,
+                                   numerics=numerics)
 
     def _forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                        slot_is_token: torch.Tensor, cache: ModelCache | None, slot_end: int | None,
-                       last_only: bool, row_gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       last_only: bool, row_gather: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       numerics: Numerics | None = None) -> torch.Tensor:
         """forward_slots, given the last query slot + 1 (`slot_end`) on the host: what `compile_decode` compiles
         (`row_gather`: a one-token step's batch-invariant attention as tensors, models/compiled_step.py)."""
         config = self.config
+        numerics = self.numerics if numerics is None else numerics
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden), in the residual dtype
         if config.scale_embeddings:
             x = x * torch.tensor(config.hidden_size**0.5, dtype=x.dtype)
         if config.position_embedding == "learned":
             x = x + self.model.embed_positions(positions)
         inputs = AttentionInputs(query_slots, slot_is_token, self._rope_tables(positions, x.dtype), slot_end,
-                                 by_row=self.batch_invariant, dtype=self.activation_dtype, row_gather=row_gather)
+                                 by_row=numerics.batch_invariant, dtype=numerics.activation_dtype,
+                                 row_gather=row_gather)
         for index, layer in enumerate(self.model.layers):
             x = layer(x, inputs, None if cache is None else cache.layers[index])
         if last_only:
@@ -283,27 +291,14 @@ class BaseModel(WeightCounting, nn.Module):
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
         return cache.traverse(fn)
 
-    @torch.inference_mode()
     def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode.
+        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode:
+        `lmcli.generation.generate(self, ...)`, whose docstring is the contract (speculation included).
+        The one call from the models up into the generation layer, made lazily, when a model generates."""
+        from lmcli.generation import generate  # the documented exception to the layer order
 
-        A pass-through: the signature, its arguments and errors are `lmcli.generation.loop.generate`'s;
-        `prompt_lookup=K` decodes speculatively by prompt lookup, guessing up to K tokens a pass, and
-        `draft_model=` (a model with the same tokenizer, `num_draft_tokens=` its K) with a draft: the same
-        greedy tokens, or the same sampling distribution (`lmcli.generation.speculative.generate`,
-        which also takes `stats=`).
-        """
-        lookup = kwargs.pop("prompt_lookup", None)
-        if lookup is not None or kwargs.get("draft_model") is not None:
-            from lmcli.generation import speculative
-
-            if lookup is not None:
-                if kwargs.get("draft_model") is not None or "num_draft_tokens" in kwargs:
-                    raise ValueError("prompt_lookup=K is its own num_draft_tokens and takes no draft_model")
-                kwargs["num_draft_tokens"] = lookup
-            return speculative.generate(self, *args, **kwargs)
-        kwargs.pop("draft_model", None)
-        return loop.generate(self, *args, **kwargs)
+        result: torch.Tensor | None = generate(self, *args, **kwargs)
+        return result
 
     @property
     def device(self) -> torch.device:

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from lmcli.config import SLIDING
-from lmcli.generation.loop import ModelShape
+from lmcli.models.slots import ModelShape
 
 
 class CachedModel(ModelShape, Protocol):

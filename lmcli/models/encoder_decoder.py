@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmcli.generation.loop import positions_from_mask
 from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
 from lmcli.models.layers import MLP, make_norm
 from lmcli.models.linear import WeightCounting
+from lmcli.models.numerics import HasNumerics
+from lmcli.models.slots import positions_from_mask
 
 
 def relative_position_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int,
@@ -204,7 +205,7 @@ def encoder_mask(x: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
     return mask
 
 
-class EncoderDecoderModel(WeightCounting, nn.Module):
+class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
     """`model(input_ids, attention_mask, decoder_input_ids)` returns decoder logits [B, T_dec, vocab];
     `generate` takes the encoder input and returns decoder ids, as transformers' does."""
 
@@ -216,7 +217,6 @@ class EncoderDecoderModel(WeightCounting, nn.Module):
         if config.final_logits_bias:
             self.final_logits_bias = nn.Parameter(torch.zeros(1, config.vocab_size), requires_grad=False)
         self.tie_weights()
-        self.kernel_choices: dict[str, Any] = {}  # weight format -> measured KernelChoice (models/linear.py)
         self.eval()
 
     def tie_weights(self) -> None:

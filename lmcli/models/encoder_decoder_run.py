@@ -1,7 +1,7 @@
 """One generate() call of an encoder-decoder: its cache and the decoder the generation loop steps.
 
-The shared loop (lmcli.generation.loop) drives any `SlotModel` (`forward_slots`, `init_cache`,
-`device`, `config`). `DecoderRun` is one: a decoder bound to one call's encoder output, so the
+The decoding step (lmcli.generation.step) drives any `SlotModel` (models/slots.py: `forward_slots`,
+`init_cache`, `device`, `config`, `numerics`). `DecoderRun` is one: a decoder bound to one call's encoder output, so the
 loop's rules (seeds, processors, EOS, hooks) apply unchanged. Its decoder rows are never padded: each starts with decoder_start_token_id.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from lmcli.models.cache import KVCache
+from lmcli.models.numerics import Numerics
 
 CrossKeysValues = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder block: keys, values [B, nh, S, hd]
 
@@ -84,6 +85,9 @@ class DecoderRun:
         self.limit: int | None = model.config.decoder_position_limit
         # What the loop reads of a config: max_position_embeddings, here the decoder's own limit.
         self.config = dataclasses.replace(model.config, max_position_embeddings=self.limit or NO_LIMIT)
+        # The decoder reads nothing of a numerics record (its kernels sit in its modules; attention is
+        # plain, in the parameters' dtype): the step is handed the default one.
+        self.numerics = Numerics()
 
     def fit_to_positions(self, max_new_tokens: Any) -> Any:
         """max_new_tokens, lowered (with a one-line warning) so that the start token and the new
@@ -102,8 +106,8 @@ class DecoderRun:
 
     def forward_slots(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                       slot_is_token: torch.Tensor, cache: EncoderDecoderCache | None = None,
-                      last_only: bool = False) -> torch.Tensor:
-        """The loop's step: logits for decoder tokens [B, T] at `query_slots` [T]. (`slot_is_token` is
+                      last_only: bool = False, numerics: Numerics | None = None) -> torch.Tensor:
+        """The step's forward pass: logits for decoder tokens [B, T] at `query_slots` [T]. (`slot_is_token` is
         all True: decoder rows are never padded.)"""
         if cache is None:
             logits = self.model.decode(input_ids, positions, query_slots, self.cross, self.encoder_mask, None, last_only)

@@ -30,7 +30,7 @@ def _module_classes() -> dict[str, Any]:
     return {cls.__name__: cls for cls in (QuantLinear, QuantHead, QuantEmbedding)}
 
 
-MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # what a load sets on the model
+MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # a load's Numerics, as the entry keeps it
 
 
 def _kernel_classes() -> dict[str, Any]:
@@ -124,6 +124,7 @@ def _inside_kernel(name: str) -> bool:
 
 def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -> None:
     from lmcli.models.kernel_plan import KernelChoice, kernel_plan
+    from lmcli.models.numerics import HasNumerics, Numerics
 
     module_classes = _module_classes()
 
@@ -190,9 +191,9 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
               {n for n, _ in model.named_buffers(remove_duplicate=False)}
     if {n for n in present if not _inside_kernel(n)} != filled:
         raise Damaged("parameters differ from the model's")
-    setattr(model, "kernel_choices", choices)  # noqa: B010  (plain attributes of BaseModel, not modules)
-    setattr(model, "batch_invariant", bool(header["batch_invariant"]))  # noqa: B010
-    setattr(model, "activation_dtype", _unplain(header["activation_dtype"]))  # noqa: B010
+    assert isinstance(model, HasNumerics)
+    model.install_numerics(Numerics(kernel_choices=choices, batch_invariant=bool(header["batch_invariant"]),
+                                    activation_dtype=_unplain(header["activation_dtype"])))
     model.eval()
 
 
