@@ -204,7 +204,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
 
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):  # a per-tensor rename, applied as each tensor arrives
-        weights = _converted(weights, module.convert_checkpoint, config)
+        weights = _converted(weights, module.convert_checkpoint, config, getattr(module, "SHARED_TARGETS", frozenset()))
     if parallel is not None:
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
     _check_claimed_size(config, path if resolved.kind == "gguf" else files, source)
@@ -391,12 +391,25 @@ def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         yield name, tensors.pop(name)
 
 
-def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) -> Iterator[tuple[str, Any]]:
+def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any,
+               shared: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors under the architecture's names. A name in `shared` (a table that several
+    of the file's tensors become, as BART's three embedding names) is handed on once: a later copy must
+    equal it, else the load is refused (keeping whichever came last would be silently wrong)."""
+    first: dict[str, Any] = {}
     for name, tensor in weights:
         converted = convert({name: tensor}, config)
         del tensor  # handed on one at a time, so the consumer's `del` frees each
         for key in list(converted):
-            yield key, converted.pop(key)
+            value = converted.pop(key)
+            if key in shared:
+                if key in first:
+                    if not torch.equal(first[key], value):
+                        raise CheckpointError(f"{name}: the checkpoint stores {key} under several names, and "
+                                              "they differ (this architecture has one such table)")
+                    continue
+                first[key] = value
+            yield key, value
 
 
 def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],
