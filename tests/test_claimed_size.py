@@ -16,7 +16,6 @@ import pytest
 from cli_fixtures import REPO, subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
 
 from lmcli import registry
-from lmcli.loading import least_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,6 +59,8 @@ def test_a_config_claiming_65536_layers_is_refused_before_anything_is_built(fiel
 def test_the_bound_never_exceeds_a_real_models_weights(preset):
     """transformers' model of each preset config, on the meta device: at least `least_weights` parameters."""
     import torch
+
+    from lmcli.loading import least_weights
 
     hf = registry.preset_config(preset)
     config = registry.config_from_hf(dict(hf))

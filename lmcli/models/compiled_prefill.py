@@ -174,7 +174,7 @@ class CachedPrefill:
                                               slot_is_token, cache))
         except Exception as exc:  # any compiler or loader failure: this prompt and the later ones run eagerly
             self.failed = True
-            why = first_line(exc)[:160]
+            why = first_line(exc)[:400]  # long enough for where a failed program is recorded
             if runner is not None:  # the program itself failed: recorded, so no later run loads it again
                 self.runner = None
                 why = compiled_cache.record_bad(*self._entry(), f"the program failed on a prompt ({type(exc).__name__}: {why[:120]})")
