@@ -172,10 +172,10 @@ def test_info_with_the_defaults_encoder_decoder(t5_dir, tmp_path):
 # --- the rule ------------------------------------------------------------------------------------------------
 
 
-def _conftest_variables() -> set[str]:
-    """The variables tests/conftest.py sets (os.environ[...] = ..., os.environ.setdefault(...))."""
+def _conftest_variables(source: str | None = None) -> set[str]:
+    """The variables tests/conftest.py (or `source`) sets: os.environ[...] = ..., os.environ.setdefault(...)."""
     found = set()
-    for node in ast.walk(ast.parse((TESTS / "conftest.py").read_text())):
+    for node in ast.walk(ast.parse(source if source is not None else (TESTS / "conftest.py").read_text())):
         target = None
         if isinstance(node, ast.Assign):
             for t in node.targets:
@@ -203,3 +203,9 @@ def test_conftest_turns_off_nothing_untested():
             f"tests/conftest.py sets {variable}; add a test with the defaults for it to tests/test_defaults.py "
             "and name it in TURNED_OFF")
     assert os.environ.get("LMCLI_CACHE_DIR")  # this session's isolation, which _env replaces for each run
+
+
+def test_the_rule_sees_each_way_of_setting_a_variable():
+    source = ("import os\nos.environ['LMCLI_A'] = '0'\nos.environ.setdefault('LMCLI_B', '1')\n"
+              "os.putenv('LMCLI_C', '1')\nname = 'X'\nos.environ[name] = '1'\n")
+    assert _conftest_variables(source) == {"LMCLI_A", "LMCLI_B", "LMCLI_C", "<not a literal: name>"}
