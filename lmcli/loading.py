@@ -204,9 +204,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
 
     module = registry.architecture_module(config.model_type)
     if hasattr(module, "convert_checkpoint"):  # a per-tensor rename, applied as each tensor arrives
-        weights = _converted(weights, module.convert_checkpoint, config)
+        weights = _converted(weights, module.convert_checkpoint, config, getattr(module, "SHARED_TARGETS", frozenset()))
     if parallel is not None:
         weights = _drained(parallel.take_shards(dict(weights), target_dtype))
+    _check_claimed_size(config, path if resolved.kind == "gguf" else files, source)
     built = _skeleton(config, source, module, parallel)
     if quantized_load:
         kinds = [quantize] if quantize in ("int4", "int8") else stored_kinds
@@ -232,6 +233,35 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
         del stored_tokenizer, file_tokenizer, tokenizer_json
         release_freed_memory()
     return built, tokenizer
+
+
+# No stored format keeps a weight in less than this (GGUF's smallest, IQ1_S, takes 1.56 bits): a config
+# whose weights could not fit its files at this rate describes another model than the files hold.
+MIN_BITS_PER_WEIGHT = 1
+
+
+def least_weights(config: Any) -> int:
+    """A lower bound on the number of weights the model `config` describes holds: its token embedding and,
+    in every layer of each stack, the attention's query and output projections (hidden x heads x head_dim
+    each), whatever else the architecture adds."""
+    count = config.vocab_size * config.hidden_size
+    count += config.num_hidden_layers * 2 * config.hidden_size * config.num_attention_heads * config.head_dim
+    encoder = getattr(config, "encoder_layers", 0) if getattr(config, "is_encoder_decoder", False) else 0
+    if encoder:
+        count += encoder * 2 * config.hidden_size * config.encoder_attention_heads * config.encoder_head_dim
+    return count
+
+
+def _check_claimed_size(config: Any, files: Path | list[Path], source: str) -> None:
+    """Refuse a config that claims more weights than its files can hold, before anything is built: a
+    config claiming 65,536 layers otherwise built 4 GB of modules (114 s here) before the first missing
+    tensor refused it (issue 31)."""
+    stored = sum(f.stat().st_size for f in ([files] if isinstance(files, Path) else files))
+    least = least_weights(config)
+    if least * MIN_BITS_PER_WEIGHT > stored * 8:
+        raise CheckpointError(
+            f"{source}: its config describes a model of at least {least:,} weights ({config.num_hidden_layers:,} "
+            f"layers of width {config.hidden_size:,}), more than its files' {stored:,} bytes can hold")
 
 
 def _skeleton(config: Any, source: str, module: Any = None, parallel: Any = None) -> Any:
@@ -361,12 +391,25 @@ def _drained(tensors: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         yield name, tensors.pop(name)
 
 
-def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any) -> Iterator[tuple[str, Any]]:
+def _converted(weights: Iterator[tuple[str, Any]], convert: Any, config: Any,
+               shared: frozenset[str] = frozenset()) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors under the architecture's names. A name in `shared` (a table that several
+    of the file's tensors become, as BART's three embedding names) is handed on once: a later copy must
+    equal it, else the load is refused (keeping whichever came last would be silently wrong)."""
+    first: dict[str, Any] = {}
     for name, tensor in weights:
         converted = convert({name: tensor}, config)
         del tensor  # handed on one at a time, so the consumer's `del` frees each
         for key in list(converted):
-            yield key, converted.pop(key)
+            value = converted.pop(key)
+            if key in shared:
+                if key in first:
+                    if not torch.equal(first[key], value):
+                        raise CheckpointError(f"{name}: the checkpoint stores {key} under several names, and "
+                                              "they differ (this architecture has one such table)")
+                    continue
+                first[key] = value
+            yield key, value
 
 
 def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quantize: str | None, kinds: list[str],

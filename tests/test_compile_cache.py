@@ -291,8 +291,18 @@ def test_an_unwritable_cache_or_a_failing_build_decodes_eagerly_with_one_warning
     assert torch.equal(model.generate(ids[None], 8, False), want)
     progress, warning = capfd.readouterr().err.strip().splitlines()
     assert progress.startswith("compiling the decode step of llama-") and progress.endswith(" ... failed")
-    assert warning == "warning: --compile failed (building it failed: C++ compile error: no working compiler); decoding without it"
+    [marker] = (cache / "compiled").glob("*.bad")
+    assert warning == ("warning: --compile failed (building it failed: C++ compile error: no working compiler; "
+                       f"recorded in {marker}, not tried again); decoding without it")
     assert compiled_cache.entries() == []
+    # Recorded once: a later --compile neither builds nor loads it again, and says so in one line.
+    monkeypatch.setattr(compiled_step, "build", lambda *args: pytest.fail("a failed build was tried again"))
+    assert model.compile_decode()
+    capfd.readouterr()
+    assert torch.equal(model.generate(ids[None], 8, False), want)
+    [warning] = capfd.readouterr().err.strip().splitlines()
+    assert warning.startswith("warning: --compile failed (the decode step of llama-") and "failed here before (" \
+        "building it failed: C++ compile error: no working compiler)" in warning and f"delete {marker}" in warning
 
 
 # --- the default model (builds take minutes: `make test-full`) -----------------------------------------

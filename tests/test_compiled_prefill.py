@@ -177,9 +177,18 @@ def test_a_failing_build_prefills_eagerly_with_one_warning(tiny_int4, cache, mon
         assert all(torch.equal(a[0], b[0]) for a, b in zip(got_cache, want_cache, strict=True))
     progress, warning = capfd.readouterr().err.strip().splitlines()
     assert progress.startswith("compiling the prefill of llama-") and progress.endswith(" ... failed")
+    [marker] = (cache / "compiled").glob("*.bad")
     assert warning == ("warning: compiled prefill failed (building it failed: C++ compile error: no working "
-                       "compiler); prefilling without it")
+                       f"compiler; recorded in {marker}, not tried again); prefilling without it")
     assert compiled_cache.entries() == []
+    # Recorded once: a later process (a new CachedPrefill) does not build it again.
+    monkeypatch.setattr(compiled_prefill, "build", lambda *args: pytest.fail("a failed build was tried again"))
+    assert model.compile_decode()
+    capfd.readouterr()
+    got, _ = _prefill(model, ids[None])
+    assert torch.equal(got, want)
+    [warning] = capfd.readouterr().err.strip().splitlines()
+    assert "failed here before (building it failed: C++ compile error" in warning and f"delete {marker}" in warning
 
 
 # --- one real build (AOTInductor on the tiny model: over 30 s) ------------------------------------------

@@ -6,8 +6,13 @@ takes minutes; loading the result takes a fraction of a second. An entry is one 
 without the weights: the model's own tensors are given to it at load) and `entry.json`: the key it
 was built under (the model's fingerprint, lmcli's model sources, torch's version, the CPU capability,
 the thread count, the batch size, dtype and kernel choices), the package's size and its SHA-256, and
-what the builder recorded to load it (`program`). It is checked before use; a stale or damaged entry is deleted with
-one `note:` line and built again. A build fills a hidden staging directory beside the entry and
+what the builder recorded to load it (`program`: the program's own constants, such as the rotary
+tables, which change its numbers as much as the package does, so they are under a SHA-256 of their own).
+It is checked before use; a stale or damaged entry is deleted with one `note:` line and built again.
+A program that fails (its build, the builder's check against eager decoding, its load, or a run) is
+recorded as bad once (`record_bad`: `<entry>.bad` beside where the entry would be, holding its key and
+why), and is then neither built, loaded nor tried again for that key (`known_bad`): the default
+decodes eagerly without a word, --compile says so in one line. A build fills a hidden staging directory beside the entry and
 renames it into place when complete (io/atomic.py), so a build killed midway leaves nothing that
 looks like an entry (the next build for it removes the leftovers), and two processes building at
 once each place a whole entry. A new entry replaces the ones it supersedes: the same model, machine,
@@ -35,7 +40,7 @@ from lmcli.fingerprint import source_digest
 if TYPE_CHECKING:
     from torch import nn
 
-FORMAT = 2  # bump when what an entry holds or means changes
+FORMAT = 3  # bump when what an entry holds or means changes
 PACKAGE, META = "step.pt2", "entry.json"
 MAX_META = 1 << 20  # an entry.json claiming more is not one of ours
 PIECE = 1 << 16  # bytes of each tensor checksummed for the model's fingerprint
@@ -43,6 +48,10 @@ PIECE = 1 << 16  # bytes of each tensor checksummed for the model's fingerprint
 
 class Unavailable(RuntimeError):
     """No compiled program for this run (one line: why); the caller decodes eagerly."""
+
+
+class KnownBad(Unavailable):
+    """The program for this key failed before and was recorded so (`record_bad`): not tried again."""
 
 
 class Damaged(ValueError):
@@ -105,6 +114,56 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
+def _program_sha256(program: Any) -> str:
+    """SHA-256 of what entry.json keeps to load the package (its constants' values among it), as JSON."""
+    return hashlib.sha256(json.dumps(program, sort_keys=True).encode()).hexdigest()
+
+
+BAD = ".bad"  # the suffix of a failed program's record, beside where its entry would be
+
+
+def bad_marker(entry: Path) -> Path:
+    return entry.with_name(entry.name + BAD)
+
+
+def known_bad(label: str, key: dict[str, Any]) -> str | None:
+    """Why the program for `key` was recorded as bad, or None (no record, or one for another key)."""
+    marker = bad_marker(entry_path(label, key))
+    try:
+        if marker.stat().st_size > MAX_META:
+            return None
+        record = json.loads(marker.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    return str(record.get("why", "it failed"))[:200]
+
+
+def record_bad(label: str, key: dict[str, Any], why: str) -> str:
+    """Record that the program for `key` failed (`why`, one line), so that no later run builds, loads or
+    tries it again, and remove its entry if one is there. -> `why` and where it is recorded, for the
+    caller's one line (a cache that cannot be written only loses the record: the next --compile tries
+    once more)."""
+    from lmcli.io.atomic import write_atomically
+
+    entry = entry_path(label, key)
+    marker = bad_marker(entry)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(marker, json.dumps({"key": key, "why": why}, indent=1), durable=True)
+    except OSError:
+        return why
+    if entry.exists():
+        hidden = entry.with_name(f".{entry.name}.bad-{os.getpid()}")
+        try:
+            os.replace(entry, hidden)  # a reader sees the whole entry or none
+        except OSError:
+            hidden = entry
+        shutil.rmtree(hidden, ignore_errors=True)
+    return f"{why}; recorded in {marker}, not tried again"
+
+
 def check(entry: Path, key: dict[str, Any]) -> Path:
     """The entry's package if the entry is whole and was built under `key`; else Damaged (one line)."""
     return _check(entry, key)[0]
@@ -137,7 +196,25 @@ def _check(entry: Path, key: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
     program = meta.get("program", {})
     if not isinstance(program, dict):
         raise Damaged(f"{META} is not one this cache writes")
+    if meta.get("program_sha256") != _program_sha256(program):
+        raise Damaged(f"the program's constants in {META} are not those that were built (checksum differs)")
     return package, program
+
+
+def _write_durably(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_path(path: Path) -> None:
+    """On disk before the staging directory is renamed: a crash then leaves a whole entry or none."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def discard(entry: Path, why: str, then: str = "building it again") -> None:
@@ -158,6 +235,9 @@ def obtain_entry(label: str, key: dict[str, Any], build: Callable[[Path], dict[s
     """`obtain`, with what `build` returned when it wrote the package (kept in entry.json as `program`).
     `build` None: only an entry already in the cache; Unavailable where there is none."""
     entry = entry_path(label, key)
+    why = known_bad(label, key)
+    if why is not None:
+        raise KnownBad(f"{what} failed here before ({why}); not tried again (delete {bad_marker(entry)} to retry)")
     if entry.exists():
         try:
             return _check(entry, key)
@@ -177,14 +257,20 @@ def obtain_entry(label: str, key: dict[str, Any], build: Callable[[Path], dict[s
         start = time.perf_counter()
         try:
             program = build(staging / PACKAGE) or {}
-        except Exception as exc:  # any compiler failure: no C++ compiler, an op it cannot lower, a full disk ...
+        except OSError as exc:  # a full disk, an unwritable cache: not the program's fault, so not recorded
             sys.stderr.write("failed\n")
             raise Unavailable(f"building it failed: {first_line(exc)[:160]}") from None
+        except Exception as exc:  # the compiler failed, or the program was not eager's (the builder's check)
+            sys.stderr.write("failed\n")
+            raise KnownBad(record_bad(label, key, f"building it failed: {first_line(exc)[:160]}")) from None
         package = staging / PACKAGE
         seconds = round(time.perf_counter() - start, 1)
         size = package.stat().st_size
-        meta = {"key": key, "size": size, "sha256": _sha256(package), "built_s": seconds, "program": program}
-        (staging / META).write_text(json.dumps(meta, indent=1))  # written last: an entry without it is incomplete
+        meta = {"key": key, "size": size, "sha256": _sha256(package), "built_s": seconds, "program": program,
+                "program_sha256": _program_sha256(program)}
+        _write_durably(staging / META, json.dumps(meta, indent=1))  # written last: an entry without it is incomplete
+        _fsync_path(package)
+        _fsync_path(staging)  # the directory's names, before it is renamed into place
         staging.chmod(0o755)
         if entry.exists():  # another process placed its own meanwhile: keep the one that checks out
             try:

@@ -71,6 +71,7 @@ _RENAMES = {"out_proj": "o_proj", "self_attn_layer_norm": "self_attn_norm", "enc
             "final_layer_norm": "mlp_norm"}
 _LAYER = re.compile(r"(encoder|decoder)\.layers\.(\d+)\.(.+)")
 EMBEDDINGS = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+SHARED_TARGETS = frozenset({"model.embed_tokens.weight"})  # what EMBEDDINGS become: copies must agree (loading.py)
 
 
 def convert_checkpoint(tensors: dict[str, torch.Tensor], config: EncoderDecoderConfig) -> dict[str, torch.Tensor]:

@@ -242,7 +242,8 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
             return compiled(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
         except Exception as exc:  # any compiler failure: no C compiler, an op inductor cannot lower, ...
             self._compiled_decode = None
-            sys.stderr.write(f"warning: --compile failed ({first_line(exc)[:160]}); decoding without it\n")
+            # One line, long enough for where a failed program is recorded (io/compiled_cache.record_bad).
+            sys.stderr.write(f"warning: --compile failed ({first_line(exc)[:400]}); decoding without it\n")
             # Writing the same keys and values again at the same slots is harmless.
             return self._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
                                        int(query_slots[-1]) + 1, last_only)

@@ -5,7 +5,9 @@ tokens of one row, writes their keys and values into the cache in place and retu
 token's logits. It is the same exported module (`compiled_step.DecodeStep`, every length but the
 chunk's left dynamic), given each chunk's batch-invariant key plan as two tensors (`chunk_plan`),
 built once per model, machine and chunk length and kept in the same cache of compiled programs
-(io/compiled_cache.py: key, SHA-256 check, staging, one `note:` and a rebuild for a bad entry).
+(io/compiled_cache.py: key, SHA-256 check, staging, one `note:` and a rebuild for a damaged entry; a
+program that fails to build, to match eager prefill on a fixed text, to load or to run is recorded as
+bad and never tried again).
 A prompt runs its whole chunks through the program and the tokens left over eagerly. Installed
 beside the compiled decode step (`BaseModel.compile_decode`), for batch 1 on CPU, where it can pay
 (`pays_here`: a CPU with AMX, whose int4 micro-GEMM inductor then chooses under max_autotune).
@@ -78,7 +80,44 @@ def pays_here() -> bool:
 
 def build(model: BaseModel, package: Path, autotune: bool) -> None:
     """Export a chunk's step and compile it to `package`; `autotune`: let inductor choose each int4
-    product's kernel (max_autotune: its C++ micro-GEMM against the eager kernel, the faster kept)."""
+    product's kernel (max_autotune: its C++ micro-GEMM against the eager kernel, the faster kept). The
+    program is then checked against eager prefill on a fixed text (`check_against_eager`) before the cache
+    keeps it."""
+    _build(model, package, autotune)
+    with torch.inference_mode():
+        check_against_eager(model, compiled_step._load(package))
+
+
+def check_against_eager(model: BaseModel, run: Callable[..., torch.Tensor]) -> None:
+    """Prefill a fixed text of 2 * CHUNK + 5 tokens through `run` (two chunks, the rest eagerly, as
+    `CachedPrefill` does) and eagerly; compiled_step.Rejected (one line) where `run` fails or the logits
+    of the second chunk's last token or of the text's last stray from eager's (compiled_step's tolerance)."""
+    length = 2 * CHUNK + 5
+    text = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(33))
+    positions, slots = torch.arange(length)[None], torch.arange(length)  # (1, L), (L,)
+    slot_is_token = torch.ones((1, length + 3), dtype=torch.bool)
+    eager_cache, cache = model.init_cache(1, length + 3), model.init_cache(1, length + 3)
+    want = model._forward_slots(text, positions, slots, slot_is_token, eager_cache, length, False)[0]  # (L, vocab)
+    try:
+        for start in (0, CHUNK):
+            part = slice(start, start + CHUNK)
+            chunk = run(*chunk_inputs(model, text[:, part], positions[:, part], slots[part], slot_is_token, cache))
+    except Exception as exc:  # any failure rejects the program
+        raise compiled_step.Rejected(f"it failed on the check's fixed text ({type(exc).__name__}: "
+                                     f"{first_line(exc)[:120]})") from None
+    rest = slice(2 * CHUNK, length)
+    last = model._forward_slots(text[:, rest], positions[:, rest], slots[rest], slot_is_token, cache, length, True)
+    got = torch.cat([chunk[0, -1:], last[0, -1:]]).float()  # (2, vocab)
+    expected = want[[2 * CHUNK - 1, length - 1]].float()
+    log_got, log_want = got.log_softmax(-1), expected.log_softmax(-1)
+    kl = float((log_want.exp() * (log_want - log_got)).sum(-1).mean())
+    worst = float(((got - expected).abs().amax(-1) / expected.abs().amax(-1).clamp(min=1e-6)).max())
+    if not kl <= compiled_step.CHECK_KL or not worst <= compiled_step.CHECK_ATOL:
+        raise compiled_step.Rejected(f"its logits differ from eager prefill's on the check's fixed text (KL {kl:.2g}, "
+                                     f"largest difference {worst:.2g} of the largest logit)")
+
+
+def _build(model: BaseModel, package: Path, autotune: bool) -> None:
     configs: dict[str, Any] = {"emulate_precision_casts": True}  # as the decode step (compiled_step._build)
     if autotune:
         configs.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
@@ -124,6 +163,7 @@ class CachedPrefill:
         """The last token's logits (1, 1, vocab), as `model._forward_slots(..., last_only=True)` gives them."""
         model, length = self.model, input_ids.shape[1]
         whole = length - length % CHUNK
+        runner = None
         try:
             runner = self.runner or self._runner()
             self.runner = runner
@@ -134,7 +174,11 @@ class CachedPrefill:
                                               slot_is_token, cache))
         except Exception as exc:  # any compiler or loader failure: this prompt and the later ones run eagerly
             self.failed = True
-            sys.stderr.write(f"warning: compiled prefill failed ({first_line(exc)[:160]}); prefilling without it\n")
+            why = first_line(exc)[:400]  # long enough for where a failed program is recorded
+            if runner is not None:  # the program itself failed: recorded, so no later run loads it again
+                self.runner = None
+                why = compiled_cache.record_bad(*self._entry(), f"the program failed on a prompt ({type(exc).__name__}: {why[:120]})")
+            sys.stderr.write(f"warning: compiled prefill failed ({why}); prefilling without it\n")
             whole, logits = 0, None  # writing the same keys and values again at the same slots is harmless
         if whole == length and logits is not None:
             return logits
@@ -142,16 +186,19 @@ class CachedPrefill:
         return model._forward_slots(input_ids[:, rest], positions[:, rest], query_slots[rest], slot_is_token, cache,
                                     int(query_slots[-1]) + 1, True)
 
+    def _entry(self) -> tuple[str, dict[str, Any]]:
+        """The program's label and key in the cache of compiled programs."""
+        return f"{compiled_step.label(self.model)}-prefill{CHUNK}", cache_key(self.model, self.autotune)
+
     def _runner(self) -> Callable[..., torch.Tensor]:
+        """The cache's program, else one built now and checked against eager prefill; one that fails to build,
+        check or load is recorded as bad (io/compiled_cache.record_bad) and not tried again."""
         model = self.model
-        name, key = f"{compiled_step.label(model)}-prefill{CHUNK}", cache_key(model, self.autotune)
+        name, key = self._entry()
         what = f"the prefill of {compiled_step.label(model)} in chunks of {CHUNK} tokens"
-        for attempt in range(2):
-            package = compiled_cache.obtain(name, key, lambda path: build(model, path, self.autotune), what)
-            try:
-                return compiled_step._load(package)
-            except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
-                if attempt:
-                    raise compiled_cache.Unavailable(f"loading {package} failed: {first_line(exc)[:160]}") from None
-                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})")
-        raise AssertionError("unreachable")
+        package = compiled_cache.obtain(name, key, lambda path: build(model, path, self.autotune), what)
+        try:
+            return compiled_step._load(package)
+        except Exception as exc:  # checked, yet not loadable here: recorded, not built or loaded again
+            why = compiled_cache.record_bad(name, key, f"it does not load ({first_line(exc)[:120]})")
+            raise compiled_cache.KnownBad(why) from None

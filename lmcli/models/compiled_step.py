@@ -148,12 +148,95 @@ def export_step(model: BaseModel, cache: ModelCache, example: tuple[Any, ...]) -
         return torch.export.export(DecodeStep(model), example, dynamic_shapes=shapes, strict=False)
 
 
+def decode_example(model: BaseModel, batch: int) -> tuple[ModelCache, tuple[Any, ...]]:
+    """A scratch cache and a one-token step's inputs to export on, the same whatever the prompt: history
+    2 * KEY_BLOCK + 5 slots, its key plan padded to 3 * KEY_BLOCK, a cache of 3 * KEY_BLOCK + 7 slots and a
+    slot mask 6 wider. No dynamic length is 0 or 1, or equal to another that may differ from it, either of
+    which export would specialise or tie (the program was built on the user's first step: one built on
+    "Hi" failed with IndexError on other prompts, issue 33)."""
+    end, capacity = 2 * KEY_BLOCK + 5, 3 * KEY_BLOCK + 7
+    cache = model.init_cache(batch, capacity)
+    slot_is_token = torch.ones((batch, capacity + 6), dtype=torch.bool)
+    input_ids = torch.zeros((batch, 1), dtype=torch.long)
+    positions = torch.full((batch, 1), end - 1, dtype=torch.long)
+    return cache, step_inputs(model, input_ids, positions, torch.tensor([end - 1]), slot_is_token, cache, end)
+
+
 def build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> dict[str, Any]:
-    """Export the step on `example`'s shapes (the lengths left dynamic) and compile it to `package`, without
-    the weights. -> what the entry keeps to load it (`extra_constants`, `weight_layout`)."""
+    """Export the step on `example`'s shapes (the lengths left dynamic; `decode_example`'s) and compile it to
+    `package`, without the weights; then run it against eager decoding on a fixed text (`check_against_eager`,
+    Rejected where it strays), before the cache keeps it. -> what the entry keeps to load it
+    (`extra_constants`, `weight_layout`)."""
     with warnings.catch_warnings():  # torch's own deprecation notices, which would break the progress line
         warnings.simplefilter("ignore")
-        return _build(model, cache, example, package)
+        program = _build(model, cache, example, package)
+    check_against_eager(model, load(package, model, program), example[0].shape[0])
+    return program
+
+
+class Rejected(RuntimeError):
+    """A built program whose logits stray from eager decoding's on the fixed text (or that fails on it)."""
+
+
+# The fixed text a new program must decode as eager does before it is kept: a 3-token prompt (rows of a
+# batch left-padded by 0 or 1), then KEY_BLOCK + 2 forced tokens, so the history outgrows a key block.
+CHECK_PROMPT, CHECK_STEPS = 3, KEY_BLOCK + 2
+# Within the compiled step's stated tolerance (README; tests/test_compile_cache.py measures both on the tiny
+# and the default model): a mean KL from eager's next-token distributions of at most 1e-3, and no step
+# further than 2^-4 of the row's largest logit from eager's (inductor fuses norms and rotary differently,
+# 2^-6 measured); a broken program (rotary tables scaled, another row's tokens) is far outside both.
+CHECK_KL, CHECK_ATOL = 1e-3, 2.0**-4
+
+
+def check_against_eager(model: BaseModel, run: Callable[..., torch.Tensor], batch: int) -> None:
+    """Decode a fixed text (tokens forced, not chosen) at `batch` rows, each step through `run` (the program)
+    and eagerly on the same cache; Rejected (one line) where `run` fails or its logits stray."""
+    generator = torch.Generator().manual_seed(31)
+    text = torch.randint(0, model.config.vocab_size, (batch, CHECK_PROMPT + CHECK_STEPS), generator=generator)
+    ids, forced = text[:, :CHECK_PROMPT], text[:, CHECK_PROMPT:]  # (B, 3), (B, steps)
+    mask = torch.ones(ids.shape, dtype=torch.long)
+    mask[1::2, 0] = 0  # odd rows left-padded: each row its own key plan
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (program, eager) logits [B, vocab] of each step
+    failures: list[BaseException] = []
+
+    def both(input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
+             slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int, last_only: bool) -> torch.Tensor:
+        saved = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        try:
+            got = run(*step_inputs(model, input_ids, positions, query_slots, slot_is_token, cache, slot_end))
+        except Exception as exc:  # any failure rejects the program
+            failures.append(exc)
+            got = None
+        for layer, (k, v) in zip(cache.layers, saved, strict=True):  # eager writes the same keys again
+            layer.keys.copy_(k)
+            layer.values.copy_(v)
+        want = model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache, slot_end, last_only)
+        if got is not None:
+            pairs.append((got[:, -1].float(), want[:, -1].float()))
+        return want
+
+    def force(input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - CHECK_PROMPT
+        return torch.full_like(logits, float("-inf")).scatter_(-1, forced[:, step:step + 1], 0.0)
+
+    installed = model._compiled_decode, model._compiled_prefill
+    model._compiled_decode, model._compiled_prefill = both, None
+    try:
+        model.generate(ids, CHECK_STEPS, False, attention_mask=mask, logits_processors=[force])
+    finally:
+        model._compiled_decode, model._compiled_prefill = installed
+    if failures:
+        failure = failures[0]
+        raise Rejected(f"it failed on the check's fixed text ({type(failure).__name__}: {first_line(failure)[:120]})")
+    if len(pairs) != CHECK_STEPS - 1:
+        raise Rejected(f"it ran {len(pairs)} of the check's {CHECK_STEPS - 1} steps")
+    got = torch.cat([g for g, _ in pairs]).log_softmax(-1)  # (steps * B, vocab)
+    want = torch.cat([w for _, w in pairs]).log_softmax(-1)
+    kl = float((want.exp() * (want - got)).sum(-1).mean())
+    worst = max(float(((g - w).abs().amax(-1) / w.abs().amax(-1).clamp(min=1e-6)).max()) for g, w in pairs)
+    if not kl <= CHECK_KL or not worst <= CHECK_ATOL:  # `not <=`: a NaN rejects too
+        raise Rejected(f"its logits differ from eager decoding's on the check's fixed text (mean KL {kl:.2g}, "
+                       f"largest difference {worst:.2g} of the largest logit)")
 
 
 def _build(model: BaseModel, cache: ModelCache, example: tuple[Any, ...], package: Path) -> dict[str, Any]:
@@ -280,6 +363,7 @@ class CachedDecode:
         self.runners: dict[int, Callable[..., torch.Tensor]] = {}
         self.eager: set[int] = set()  # batch sizes without a program here
         self.threads: dict[int, int] = {}  # the thread count each batch size's program was built for
+        self.keys: dict[int, dict[str, Any]] = {}  # the key each batch size's program was found or built under
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, query_slots: torch.Tensor,
                  slot_is_token: torch.Tensor, cache: ModelCache, slot_end: int, last_only: bool) -> torch.Tensor:
@@ -301,13 +385,24 @@ class CachedDecode:
         args = step_inputs(self.model, input_ids, positions, query_slots, slot_is_token, cache, slot_end)
         if runner is None:
             try:
-                runner = self.runners[batch] = self._runner(batch, cache, args)
+                runner = self.runners[batch] = self._runner(batch)
             except compiled_cache.Unavailable:
                 if self.builds:
                     raise
                 self.eager.add(batch)  # by default: the entry was damaged (said and deleted), so eager
                 return self.model._forward_slots(input_ids, positions, query_slots, slot_is_token, cache,
                                                  slot_end, last_only)
+        try:
+            return self._run(runner, batch, args)
+        except Exception as exc:  # the program itself failed: recorded, so no later run loads it again
+            del self.runners[batch]
+            self.eager.add(batch)
+            failure = f"{type(exc).__name__}: {first_line(exc)[:120]}"
+            why = compiled_cache.record_bad(label(self.model), self.keys[batch],
+                                            f"the program failed at a step ({failure})")
+            raise compiled_cache.KnownBad(why) from None
+
+    def _run(self, runner: Callable[..., torch.Tensor], batch: int, args: tuple[Any, ...]) -> torch.Tensor:
         built = self.threads[batch]
         if torch.get_num_threads() <= built:
             return runner(*args)
@@ -321,24 +416,21 @@ class CachedDecode:
         finally:
             torch.set_num_threads(more)
 
-    def _runner(self, batch: int, cache: ModelCache, example: tuple[Any, ...]) -> Callable[..., torch.Tensor]:
+    def _runner(self, batch: int) -> Callable[..., torch.Tensor]:
+        """The program for `batch` rows: the cache's, else (--compile) built now on `decode_example`, never
+        on the user's own step, and checked against eager decoding before it is kept. A program that fails
+        to build, check or load is recorded as bad (io/compiled_cache.record_bad): KnownBad, now and later."""
         model, name = self.model, label(self.model)
-        key = self._key(batch)
+        key = self.keys[batch] = self._key(batch)
         self.threads[batch] = key["threads"]
         what = f"the decode step of {name} for batch {batch}"
-        for attempt in range(2):
-            builder = (lambda path: build(model, cache, example, path)) if self.builds else None
-            package, meta = compiled_cache.obtain_entry(name, key, builder, what)
-            try:
-                return load(package, model, meta)
-            except Exception as exc:  # checked, yet not loadable (or replaced meanwhile): build it once more
-                if attempt:
-                    raise compiled_cache.Unavailable(f"loading {package} failed: {first_line(exc)[:160]}") from None
-                compiled_cache.discard(package.parent, f"it does not load ({first_line(exc)[:120]})",
-                                       "building it again" if self.builds else "decoding eagerly")
-                if not self.builds:
-                    raise compiled_cache.Unavailable("no loadable program") from None
-        raise AssertionError("unreachable")
+        builder = (lambda path: build(model, *decode_example(model, batch), path)) if self.builds else None
+        package, meta = compiled_cache.obtain_entry(name, key, builder, what)
+        try:
+            return load(package, model, meta)
+        except Exception as exc:  # checked, yet not loadable here: recorded, not built or loaded again
+            why = compiled_cache.record_bad(name, key, f"it does not load ({first_line(exc)[:120]})")
+            raise compiled_cache.KnownBad(why) from None
 
     def _key(self, batch: int) -> dict[str, Any]:
         """The key of the program to run at `batch` rows: built for this thread count, else one already built

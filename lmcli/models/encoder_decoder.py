@@ -241,8 +241,11 @@ class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
         if self.device.type == "cpu" and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight.data = self.lm_head.weight.data.t().contiguous().t()
 
-    def compile_decode(self) -> bool:
-        sys.stderr.write("warning: --compile is not supported for encoder-decoder models; decoding without it\n")
+    def compile_decode(self, builds: bool = True) -> bool:
+        """As `BaseModel.compile_decode`'s signature: no program exists for these models, so they decode
+        eagerly; only an explicit --compile (`builds`) is told so, the default says nothing."""
+        if builds:
+            sys.stderr.write("warning: --compile is not supported for encoder-decoder models; decoding without it\n")
         return False
 
     # --- forward ----------------------------------------------------------------------------------

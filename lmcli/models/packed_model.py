@@ -39,6 +39,12 @@ def _kernel_classes() -> dict[str, Any]:
     return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel)}
 
 
+# The buffers each kernel registers (models/kernels.py), some None: an entry must give every one, or the
+# rebuilt kernel fails at its first product (an AttributeError where the entry should have been refused).
+KERNEL_BUFFERS = {"Int4PackKernel": frozenset({"packed", "scales_and_zeros"}),
+                  "DequantiseKernel": frozenset({"codes", "scales", "offsets"})}
+
+
 def _plain(value: Any) -> Any:
     """A kernel setting as JSON; ValueError for anything this format does not know how to keep."""
     from lmcli.models.kernels import PackLayout
@@ -141,6 +147,9 @@ def apply(model: nn.Module, header: dict[str, Any], views: list[torch.Tensor]) -
     kernels = []
     for entry in header["kernels"]:
         cls = classes[entry["class"]]
+        if {*entry["buffers"], *entry["none"]} != KERNEL_BUFFERS[entry["class"]] or \
+                len(entry["buffers"]) + len(entry["none"]) != len(KERNEL_BUFFERS[entry["class"]]):
+            raise Damaged(f"a {entry['class']} without its buffers")
         kernel = cls.__new__(cls)
         nn.Module.__init__(kernel)
         _set_plain(kernel, cls, entry["settings"])
