@@ -261,6 +261,15 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.
 
 def _attend_rows_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> torch.Tensor:
+    from lmcli.models import native_attention
+
+    if native_attention.isa() is not None:  # the eager path's kernel, so a program's numbers are eager's
+        visible = (mask[:, :, 0] == 0).sum(-1)  # (B, T): each query's keys are a prefix of its row's index
+        plan = native_attention.NativePlan(index.cpu().contiguous(), torch.zeros_like(visible).cpu(),
+                                           visible.cpu().contiguous())
+        got = native_attention.attend(q, k, v, plan, scale, None)
+        if got is not None:
+            return got
     with _one_thread(q.device):
         return attend_gathered(q, k, v, index, mask, scale)
 
