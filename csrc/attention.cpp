@@ -29,6 +29,19 @@ constexpr int KB = 32;        // keys per block
 constexpr int TQ = 32;        // most queries in a tile
 constexpr int MAX_HD = 512;
 
+// 16 floats as one value (GCC's vector extension: one 512-bit register with AVX-512, two or four
+// narrower ones elsewhere; the same operations on each element either way).
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+inline vf16 load16(const float* p) {
+    vf16 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+
+inline void store16(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+
 inline float bf16_to_f32(uint16_t h) {
     uint32_t u = static_cast<uint32_t>(h) << 16;
     float f;
@@ -69,6 +82,35 @@ inline float exp_nonpositive(float x) {
     return y * scale;
 }
 
+// exp_nonpositive on 16 lanes: the same operations on each.
+inline vf16 exp16(vf16 x) {
+    const vf16 low = vf16{} - 87.0f;
+    x = x < low ? low : x;
+    const float shifter = 12582912.0f;
+    vf16 n = (x * 1.44269504088896341f + shifter) - shifter;
+    vf16 r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf16 p = vf16{} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    vf16 y = p * (r * r) + r + 1.0f;
+    vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+    vf16 scale;
+    std::memcpy(&scale, &e, sizeof scale);
+    return y * scale;
+}
+
+inline float max16(vf16 v, float start) {
+    float t[16];
+    store16(t, v);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) t[i] = t[i] > t[i + w] ? t[i] : t[i + w];
+    return t[0] > start ? t[0] : start;
+}
+
 struct Args {
     const void* q; const void* k; const void* v; void* out; int dtype;
     int64_t B, T, nh, nkv, hd;
@@ -97,6 +139,50 @@ void score_block(const float* Q, const float* Kt, int64_t hd, float* S) {
         for (int j = 0; j < KB; ++j) S[g * KB + j] = acc[g][j];
 }
 
+// o = o * alpha, then o = p_j * v_j + o for j = 0..nv-1 in order, for G query heads of one query (same
+// nv) at once, HD known: the outputs stay in registers, and the G heads' chains interleave.
+template <int HD, int G>
+void pv_block(const float* P, const float* V, int64_t nv, const float* alpha, float* O) {
+    constexpr int W = HD / 16;
+    vf16 acc[G][W];
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+        for (int w = 0; w < W; ++w) acc[g][w] = load16(O + g * HD + w * 16) * alpha[g];
+    for (int64_t j = 0; j < nv; ++j) {
+        const float* vj = V + j * HD;
+        vf16 vv[W];
+#pragma GCC unroll 16
+        for (int w = 0; w < W; ++w) vv[w] = load16(vj + w * 16);
+#pragma GCC unroll 16
+        for (int g = 0; g < G; ++g) {
+            const float p = P[g * KB + j];
+#pragma GCC unroll 16
+            for (int w = 0; w < W; ++w) acc[g][w] = p * vv[w] + acc[g][w];
+        }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 16
+        for (int w = 0; w < W; ++w) store16(O + g * HD + w * 16, acc[g][w]);
+}
+
+// The same for any head size, one head at a time (the outputs in memory).
+void pv_any(const float* P, const float* V, int64_t nv, float alpha, float* O, int64_t hd) {
+    for (int64_t d = 0; d < hd; ++d) O[d] = O[d] * alpha;
+    for (int64_t j = 0; j < nv; ++j) {
+        const float p = P[j];
+        const float* vj = V + j * hd;
+        for (int64_t d = 0; d < hd; ++d) O[d] = p * vj[d] + O[d];
+    }
+}
+
+using PvFn = void (*)(const float*, const float*, int64_t, const float*, float*);
+// [head size 64, 128, 256][G - 1]: at most 16 vector registers of outputs at 512 bits
+constexpr PvFn PV[3][4] = {{pv_block<64, 1>, pv_block<64, 2>, pv_block<64, 3>, pv_block<64, 4>},
+                           {pv_block<128, 1>, pv_block<128, 2>, nullptr, nullptr},
+                           {pv_block<256, 1>, nullptr, nullptr, nullptr}};
+
 using ScoreFn = void (*)(const float*, const float*, int64_t, float*);
 constexpr ScoreFn SCORE[9] = {nullptr, score_block<1>, score_block<2>, score_block<3>, score_block<4>,
                               score_block<5>, score_block<6>, score_block<7>, score_block<8>};
@@ -104,7 +190,9 @@ constexpr ScoreFn SCORE[9] = {nullptr, score_block<1>, score_block<2>, score_blo
 void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
     const int64_t hd = a.hd, rep = a.nh / a.nkv, b = tile.b, kvh = tile.kvh;
     const int64_t heads = tile.count * rep;  // query heads of the tile: (query i, head h) -> i * rep + h
-    work.resize(static_cast<size_t>(heads * hd * 2 + heads * KB * 2 + heads + 2 * KB * hd));
+    const int pv_kind = hd == 64 ? 0 : hd == 128 ? 1 : hd == 256 ? 2 : -1;
+    const int64_t group = hd == 64 ? 4 : hd == 128 ? 2 : 1;  // heads per pv_block call
+    work.resize(static_cast<size_t>(heads * hd * 2 + heads * KB * 2 + heads + 2 * KB * hd + rep));
     float* Q = work.data();          // [heads, hd]
     float* O = Q + heads * hd;       // [heads, hd]
     float* LS = O + heads * hd;      // [heads, KB] per-lane sums
@@ -112,6 +200,7 @@ void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
     float* M = S + heads * KB;       // [heads] running max
     float* Kt = M + heads;           // [hd, KB] the block's keys, transposed
     float* V = Kt + KB * hd;         // [KB, hd]
+    float* A = V + KB * hd;          // [rep] a query's heads' rescaling this block
     const int64_t f = a.first[b * a.T + tile.t[0]];
     int64_t E = f;
     int64_t ends[TQ];
@@ -134,8 +223,17 @@ void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
                 const int64_t slot = keys[j0 + j];
                 const int64_t kb = b * a.ks[0] + kvh * a.ks[1] + slot * a.ks[2];
                 const int64_t vb = b * a.vs[0] + kvh * a.vs[1] + slot * a.vs[2];
-                for (int64_t d = 0; d < hd; ++d) Kt[d * KB + j] = load(a.k, kb + d, a.dtype);
-                for (int64_t d = 0; d < hd; ++d) V[j * hd + d] = load(a.v, vb + d, a.dtype);
+                if (a.dtype == 1) {
+                    const uint16_t* ks = static_cast<const uint16_t*>(a.k) + kb;
+                    const uint16_t* vs = static_cast<const uint16_t*>(a.v) + vb;
+                    for (int64_t d = 0; d < hd; ++d) Kt[d * KB + j] = bf16_to_f32(ks[d]);
+                    for (int64_t d = 0; d < hd; ++d) V[j * hd + d] = bf16_to_f32(vs[d]);
+                } else {
+                    const float* ks = static_cast<const float*>(a.k) + kb;
+                    const float* vs = static_cast<const float*>(a.v) + vb;
+                    for (int64_t d = 0; d < hd; ++d) Kt[d * KB + j] = ks[d];
+                    for (int64_t d = 0; d < hd; ++d) V[j * hd + d] = vs[d];
+                }
             } else {
                 for (int64_t d = 0; d < hd; ++d) Kt[d * KB + j] = 0.0f;
             }
@@ -150,25 +248,37 @@ void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
             for (int64_t h = 0; h < rep; ++h) {
                 const int64_t x = i * rep + h;
                 float* s = S + x * KB;
-                float* o = O + x * hd;
                 float* ls = LS + x * KB;
-                for (int j = 0; j < KB; ++j) s[j] = s[j] * a.scale;
-                if (a.softcap > 0.0f)
+                vf16 lo = load16(s) * a.scale, hi = load16(s + 16) * a.scale;
+                if (a.softcap > 0.0f) {
+                    store16(s, lo);
+                    store16(s + 16, hi);
                     for (int j = 0; j < KB; ++j) s[j] = std::tanh(s[j] / a.softcap) * a.softcap;
-                for (int64_t j = nv; j < KB; ++j) s[j] = -INFINITY;  // beyond this query's keys
-                float m = M[x];
-                for (int j = 0; j < KB; ++j) m = s[j] > m ? s[j] : m;
+                    lo = load16(s);
+                    hi = load16(s + 16);
+                }
+                const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+                const vf16 none = vf16{} - INFINITY;
+                lo = lane < static_cast<int32_t>(nv) ? lo : none;  // beyond this query's keys
+                hi = lane + 16 < static_cast<int32_t>(nv) ? hi : none;
+                const float m = max16(lo > hi ? lo : hi, M[x]);  // a max: the same in any order
                 const float alpha = M[x] == -INFINITY ? 0.0f : exp_nonpositive(M[x] - m);
                 M[x] = m;
-                for (int j = 0; j < KB; ++j) s[j] = exp_nonpositive(s[j] - m);
-                for (int64_t j = nv; j < KB; ++j) s[j] = 0.0f;
-                for (int j = 0; j < KB; ++j) ls[j] = ls[j] * alpha + s[j];
-                for (int64_t d = 0; d < hd; ++d) o[d] = o[d] * alpha;
-                for (int64_t j = 0; j < nv; ++j) {
-                    const float p = s[j];
-                    const float* vj = V + j * hd;
-                    for (int64_t d = 0; d < hd; ++d) o[d] = p * vj[d] + o[d];
-                }
+                A[h] = alpha;
+                const vf16 zero = {};
+                lo = lane < static_cast<int32_t>(nv) ? exp16(lo - m) : zero;
+                hi = lane + 16 < static_cast<int32_t>(nv) ? exp16(hi - m) : zero;
+                store16(s, lo);
+                store16(s + 16, hi);
+                store16(ls, load16(ls) * alpha + lo);
+                store16(ls + 16, load16(ls + 16) * alpha + hi);
+            }
+            const int64_t x0 = i * rep;
+            for (int64_t h = 0; h < rep;) {
+                const int64_t g = rep - h < group ? rep - h : group;
+                if (pv_kind >= 0) PV[pv_kind][g - 1](S + (x0 + h) * KB, V, nv, A + h, O + (x0 + h) * hd);
+                else pv_any(S + (x0 + h) * KB, V, nv, A[h], O + (x0 + h) * hd, hd);
+                h += pv_kind >= 0 ? g : 1;
             }
         }
     }
