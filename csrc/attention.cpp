@@ -334,7 +334,13 @@ int lmcli_attend(const void* q, const void* k, const void* v, void* out, int dty
         }
     }
     const int64_t n = static_cast<int64_t>(tiles.size());
-#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    int64_t work = 0;  // multiply-adds, roughly: a small call (a decode step) stays on this thread
+    for (const Tile& tile : tiles) {
+        const int64_t f = first[tile.b * T + tile.t[0]];
+        work += (end[tile.b * T + tile.t[tile.count - 1]] - f) * tile.count * (nh / nkv) * hd * 2;
+    }
+    if (n < 2 || work < (int64_t(1) << 22)) threads = 1;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1) if (threads > 1)
     {
         std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)

@@ -76,18 +76,27 @@ def _library(name: str) -> ctypes.CDLL | None:
     return _loaded[name]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
-    from lmcli.io.atomic import atomic_file, write_atomically
+def _flags(name: str) -> list[str]:
+    return ["-O3", *ISA_FLAGS[name], "-fopenmp", "-shared", "-fPIC"]
+
+
+def build_paths(name: str) -> tuple[Path, Path]:
+    """(the library, the record of a failed build) for ISA `name`, keyed by the source and the flags."""
     from lmcli.paths import cache_dir
 
-    try:
-        source = SOURCE.read_bytes()
-    except OSError:
-        return None
-    flags = ["-O3", *ISA_FLAGS[name], "-fopenmp", "-shared", "-fPIC"]
-    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(_flags(name)).encode()).hexdigest()[:16]
     directory = cache_dir() / "native"
-    target, failed = directory / f"attention-{key}-{name}.so", directory / f"attention-{key}-{name}.failed"
+    return directory / f"attention-{key}-{name}.so", directory / f"attention-{key}-{name}.failed"
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    from lmcli.io.atomic import atomic_file, write_atomically
+
+    try:
+        target, failed = build_paths(name)
+    except OSError:  # no source beside the package
+        return None
+    directory, flags = target.parent, _flags(name)
     if failed.exists():
         return None
     if not target.exists():
