@@ -588,7 +588,10 @@ def info(
     loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
     from lmcli.threads import describe
 
-    facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe())]
+    from lmcli.models import native_attention
+
+    attention = native_attention.describe() if getattr(loaded, "batch_invariant", False) else "torch, batched"
+    facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe()), ("attention", attention)]
     print_facts(facts, terminal=sys.stdout.isatty())
 
 

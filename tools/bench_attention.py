@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +25,7 @@ from lmcli.models import native_attention
 
 def cpu_name() -> str:
     try:
-        for line in open("/proc/cpuinfo"):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -38,7 +39,10 @@ def main() -> None:
     parser.add_argument("--lengths", default="256,1024,2048,4096")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--paths", default="torch,native")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: lmcli's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lengths = [int(n) for n in args.lengths.split(",")]
     paths = args.paths.split(",")
     model, _ = lmcli.load(args.checkpoint)

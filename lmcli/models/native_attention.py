@@ -12,6 +12,7 @@ torch path of models/row_attention.py. `LMCLI_ATTENTION=torch` forces that path;
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -34,14 +35,9 @@ _loaded: dict[str, ctypes.CDLL | None] = {}
 
 @cache
 def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+    from lmcli.machine import cpu_model_and_flags
+
+    return frozenset(cpu_model_and_flags()[1])
 
 
 def supported_isas() -> list[str]:
@@ -52,7 +48,7 @@ def supported_isas() -> list[str]:
         isas.append("avx512")
     if {"avx2", "fma", "bmi2"} <= flags:
         isas.append("avx2")
-    return isas + ["generic"]
+    return [*isas, "generic"]
 
 
 def isa() -> str | None:
@@ -110,20 +106,16 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
                     raise OSError("build failed")
         except (OSError, subprocess.SubprocessError) as error:
             if not failed.exists():
-                try:
+                with contextlib.suppress(OSError):
                     write_atomically(failed, f"{type(error).__name__}: {error}\n")
-                except OSError:
-                    pass
             return None
     try:
         library = ctypes.CDLL(str(target))
         if library.lmcli_attention_version() != 1:
             raise OSError("unexpected version")
     except (OSError, AttributeError) as error:  # a damaged file: record it once, take the torch path
-        try:
+        with contextlib.suppress(OSError):
             write_atomically(failed, f"load failed: {error}\n")
-        except OSError:
-            pass
         return None
     library.lmcli_attend.restype = ctypes.c_int
     return library
