@@ -184,6 +184,7 @@ constexpr PvFn PV[3][4] = {{pv_block<64, 1>, pv_block<64, 2>, pv_block<64, 3>, p
                            {pv_block<256, 1>, nullptr, nullptr, nullptr}};
 
 using ScoreFn = void (*)(const float*, const float*, int64_t, float*);
+constexpr int SCORE_GROUP = KB == 32 ? 8 : 6;  // accumulators that fit the 32 vector registers
 constexpr ScoreFn SCORE[9] = {nullptr, score_block<1>, score_block<2>, score_block<3>, score_block<4>,
                               score_block<5>, score_block<6>, score_block<7>, score_block<8>};
 
@@ -238,8 +239,8 @@ void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
                 for (int64_t d = 0; d < hd; ++d) Kt[d * KB + j] = 0.0f;
             }
         }
-        for (int64_t x = 0; x < heads; x += 8) {
-            const int64_t g = heads - x < 8 ? heads - x : 8;
+        for (int64_t x = 0; x < heads; x += SCORE_GROUP) {
+            const int64_t g = heads - x < SCORE_GROUP ? heads - x : SCORE_GROUP;
             SCORE[g](Q + x * hd, Kt, hd, S + x * KB);
         }
         for (int64_t i = 0; i < tile.count; ++i) {
@@ -249,29 +250,32 @@ void run_tile(const Args& a, const Tile& tile, std::vector<float>& work) {
                 const int64_t x = i * rep + h;
                 float* s = S + x * KB;
                 float* ls = LS + x * KB;
-                vf16 lo = load16(s) * a.scale, hi = load16(s + 16) * a.scale;
+                constexpr int NV = KB / 16;
+                vf16 sv[NV];
+                for (int w = 0; w < NV; ++w) sv[w] = load16(s + 16 * w) * a.scale;
                 if (a.softcap > 0.0f) {
-                    store16(s, lo);
-                    store16(s + 16, hi);
+                    for (int w = 0; w < NV; ++w) store16(s + 16 * w, sv[w]);
                     for (int j = 0; j < KB; ++j) s[j] = std::tanh(s[j] / a.softcap) * a.softcap;
-                    lo = load16(s);
-                    hi = load16(s + 16);
+                    for (int w = 0; w < NV; ++w) sv[w] = load16(s + 16 * w);
                 }
                 const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
                 const vf16 none = vf16{} - INFINITY;
-                lo = lane < static_cast<int32_t>(nv) ? lo : none;  // beyond this query's keys
-                hi = lane + 16 < static_cast<int32_t>(nv) ? hi : none;
-                const float m = max16(lo > hi ? lo : hi, M[x]);  // a max: the same in any order
+                const int32_t valid = static_cast<int32_t>(nv);
+                vf16 top = none;
+                for (int w = 0; w < NV; ++w) {
+                    sv[w] = lane + 16 * w < valid ? sv[w] : none;  // beyond this query's keys
+                    top = top > sv[w] ? top : sv[w];
+                }
+                const float m = max16(top, M[x]);  // a max: the same in any order
                 const float alpha = M[x] == -INFINITY ? 0.0f : exp_nonpositive(M[x] - m);
                 M[x] = m;
                 A[h] = alpha;
                 const vf16 zero = {};
-                lo = lane < static_cast<int32_t>(nv) ? exp16(lo - m) : zero;
-                hi = lane + 16 < static_cast<int32_t>(nv) ? exp16(hi - m) : zero;
-                store16(s, lo);
-                store16(s + 16, hi);
-                store16(ls, load16(ls) * alpha + lo);
-                store16(ls + 16, load16(ls + 16) * alpha + hi);
+                for (int w = 0; w < NV; ++w) {
+                    const vf16 p = lane + 16 * w < valid ? exp16(sv[w] - m) : zero;
+                    store16(s + 16 * w, p);
+                    store16(ls + 16 * w, load16(ls + 16 * w) * alpha + p);
+                }
             }
             const int64_t x0 = i * rep;
             for (int64_t h = 0; h < rep;) {

@@ -228,3 +228,57 @@ def test_a_damaged_build_is_recorded_once(monkeypatch, tmp_path):
     assert failed.exists()
     monkeypatch.setattr(na, "_loaded", {})
     assert na.isa() is None  # the record: not loaded again
+
+
+def _prefill_logits(model, prompt: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Logits [T, vocab] of a prompt prefilled through a cache in chunks of `chunk` tokens."""
+    from lmcli.models.cache import ModelCache
+
+    T = len(prompt)
+    cache = ModelCache.for_model(model, 1, T)
+    is_token = torch.ones(1, T, dtype=torch.bool)
+    parts = []
+    with torch.no_grad():
+        for begin in range(0, T, chunk):
+            slots = torch.arange(begin, min(T, begin + chunk))
+            parts.append(model.forward_slots(prompt[None, slots], slots[None], slots, is_token, cache)[0])
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-window", "gemma2"])
+def test_a_tiny_quantized_model_near_the_torch_path_and_chunk_invariant(case, tmp_path, monkeypatch):
+    """Through the model (GQA, sliding windows in rolling caches, softcapping): the kernel's logits near
+    the torch row calls' (SDPA), and each layer's attention output at each position the same bits
+    whether the prompt is prefilled whole or in chunks of 7 or 16. (The attention's outputs, not the
+    logits: the matrix kernels after it are not all bit-invariant to the call's row count; measured on
+    qwen2-window, chunks of 7 moved one position's logits by 2e-7 with every attention output equal.)"""
+    import lmcli
+    from tiny import prompts, save_reference
+
+    save_reference(case, tmp_path / case)
+    model, _ = lmcli.load(tmp_path / case, quantize="int8")
+    assert model.batch_invariant
+    prompt = prompts([40], seed=4)[0]
+    seen: list[torch.Tensor] = []
+    attend = na.attend
+
+    def spy(*args, **kwargs):
+        out = attend(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(na, "attend", spy)
+    layers = len(model.model.layers)
+    whole = _prefill_logits(model, prompt, 40)
+    by_layer = seen[:layers]  # (1, 40, nh * hd) each
+    for chunk in (7, 16):
+        seen.clear()
+        _prefill_logits(model, prompt, chunk)
+        assert len(seen) == layers * -(-40 // chunk)
+        for layer in range(layers):
+            joined = torch.cat(seen[layer::layers], dim=1)
+            assert torch.equal(joined, by_layer[layer]), (chunk, layer)
+    monkeypatch.setenv("LMCLI_ATTENTION", "torch")
+    seen.clear()
+    torch.testing.assert_close(_prefill_logits(model, prompt, 40), whole, atol=0.15, rtol=0.05)  # bfloat16 logits
+    assert not seen  # the torch path ran
