@@ -586,9 +586,8 @@ def info(
         raise UsageError(f"info {path} -c {checkpoint}: give the checkpoint once")
     resolved = _resolve(checkpoint or path, model, tokenizer)
     loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
-    from lmcli.threads import describe
-
     from lmcli.models import native_attention
+    from lmcli.threads import describe
 
     attention = native_attention.describe() if getattr(loaded, "batch_invariant", False) else "torch, batched"
     facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe()), ("attention", attention)]

@@ -252,8 +252,9 @@ def test_a_tiny_quantized_model_near_the_torch_path_and_chunk_invariant(case, tm
     whether the prompt is prefilled whole or in chunks of 7 or 16. (The attention's outputs, not the
     logits: the matrix kernels after it are not all bit-invariant to the call's row count; measured on
     qwen2-window, chunks of 7 moved one position's logits by 2e-7 with every attention output equal.)"""
-    import lmcli
     from tiny import prompts, save_reference
+
+    import lmcli
 
     save_reference(case, tmp_path / case)
     model, _ = lmcli.load(tmp_path / case, quantize="int8")
