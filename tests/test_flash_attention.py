@@ -265,6 +265,7 @@ def test_a_tiny_quantized_model_near_the_torch_path_and_chunk_invariant(case, tm
 
     def spy(*args, **kwargs):
         out = attend(*args, **kwargs)
+        assert out is not None
         seen.append(out)
         return out
 
