@@ -284,3 +284,26 @@ def test_a_tiny_quantized_model_near_the_torch_path_and_chunk_invariant(case, tm
     seen.clear()
     torch.testing.assert_close(_prefill_logits(model, prompt, 40), whole, atol=0.15, rtol=0.05)  # bfloat16 logits
     assert not seen  # the torch path ran
+
+
+def test_the_compiled_programs_attention_op_gives_the_eager_paths_bits():
+    """torch.ops.lmcli.attend_rows (what the compiled decode step and prefill chunks call back) runs the
+    kernel on its gather plan: a decode step's and a chunk's numbers are then eager's."""
+    from lmcli.models.compiled_prefill import chunk_plan
+    from lmcli.models.compiled_step import decode_plan
+    from lmcli.models.row_attention import attend_rows
+
+    S = 120
+    q, k, v = _inputs(3, 9, 3, S, 64, torch.bfloat16, seed=9)
+    is_token = torch.ones(3, S, dtype=torch.bool)
+    is_token[1, :50] = False
+    is_token[2, :7] = False
+    slots = torch.arange(S)
+    step = torch.tensor([S - 1])
+    eager = _attend(q[:, :, step], k, v, slots, step, is_token, None, 0.125)
+    index, mask = decode_plan(is_token, S, torch.bfloat16)
+    assert torch.equal(attend_rows(q[:, :, step], k, v, index, mask, 0.125), eager)
+    chunk = torch.arange(S - 9, S)
+    eager = _attend(q[:, :, chunk], k, v, slots, chunk, is_token, None, 0.125)
+    index, mask = chunk_plan(is_token, chunk, S, torch.bfloat16)
+    assert torch.equal(attend_rows(q[:, :, chunk], k, v, index, mask, 0.125), eager)
