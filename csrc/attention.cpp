@@ -153,7 +153,12 @@ void pv_block(const float* P, const float* V, int64_t nv, const float* alpha, fl
         const float* vj = V + j * HD;
         vf16 vv[W];
 #pragma GCC unroll 16
-        for (int w = 0; w < W; ++w) vv[w] = load16(vj + w * 16);
+        for (int w = 0; w < W; ++w) {
+            vv[w] = load16(vj + w * 16);
+#if defined(__x86_64__) && defined(__AVX512F__)
+            asm("" : "+v"(vv[w]));  // kept in a register: loaded once for the G heads, not once per head
+#endif
+        }
 #pragma GCC unroll 16
         for (int g = 0; g < G; ++g) {
             const float p = P[g * KB + j];

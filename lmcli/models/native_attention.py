@@ -73,7 +73,7 @@ def _library(name: str) -> ctypes.CDLL | None:
 
 
 def _flags(name: str) -> list[str]:
-    return ["-O3", *ISA_FLAGS[name], "-fopenmp", "-shared", "-fPIC"]
+    return ["-O3", *ISA_FLAGS[name], "-fopenmp", "-shared", "-fPIC", "-Wno-psabi"]
 
 
 def build_paths(name: str) -> tuple[Path, Path]:
