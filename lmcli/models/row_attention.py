@@ -14,6 +14,10 @@ rows (one query each) go in one call of the whole step, each entry on its own ro
 
 Cost: a call per row (or per row and query) where the batched path makes one per layer, but for the
 decode steps of bfloat16 models (see the README's "Batch-invariant numerics").
+
+Where the native kernel is built (models/native_attention.py: one call a layer, invariant by
+construction, linear in memory), `Attention` and the compiled programs' `attend_rows` use it instead;
+these calls are then the fallback (no compiler, `LMCLI_ATTENTION=torch`, a dtype it does not take).
 """
 
 from __future__ import annotations
