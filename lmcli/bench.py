@@ -62,6 +62,7 @@ def cpu_facts() -> dict[str, Any]:
     import torch
 
     from lmcli.machine import cpu_model_and_flags
+    from lmcli.models import native_attention
 
     name, flags = cpu_model_and_flags()
     model = name or "unknown"
@@ -69,7 +70,7 @@ def cpu_facts() -> dict[str, Any]:
                               "amx_bf16", "amx_int8") if f in flags]
     return {"cpu": model, "extensions": extensions, "logical_cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "attention": native_attention.describe()}
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:

@@ -61,6 +61,7 @@ def print_report(results: dict[str, Any], console=None) -> None:
                   f"{machine['torch_threads']} thread(s) of {machine['logical_cpus']} logical CPUs at the start · "
                   f"torch {machine['torch']} capability {machine['torch_cpu_capability']} · "
                   f"extensions {' '.join(machine['extensions']) or 'none seen'} · "
+                  f"attention {machine.get('attention', 'unknown')} · "
                   f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s", highlight=False)
     if "threads" in machine:
         console.print(f"threads: {machine['threads']}", highlight=False)

@@ -604,9 +604,11 @@ def info(
         raise UsageError(f"info {path} -c {checkpoint}: give the checkpoint once")
     resolved = _resolve(checkpoint or path, model, tokenizer)
     loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
+    from lmcli.models import native_attention
     from lmcli.threads import describe
 
-    facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe())]
+    attention = native_attention.describe() if getattr(loaded, "batch_invariant", False) else "torch, batched"
+    facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe()), ("attention", attention)]
     print_facts(facts, terminal=sys.stdout.isatty())
 
 

@@ -210,9 +210,18 @@ class Attention(nn.Module):
 
     def _attend_by_row(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
                        inputs: AttentionInputs) -> torch.Tensor:
+        from lmcli.models import native_attention
         from lmcli.models.row_attention import JoinedCall, attend_by_row, attend_joined, joined_plan, row_plans
 
         B, _, T, _ = q.shape
+        if native_attention.isa() is not None:  # one kernel call, invariant by construction (csrc/attention.cpp)
+            native = inputs.row_plans.get(f"{self.layer_type}:native")
+            if native is None:
+                native = inputs.row_plans[f"{self.layer_type}:native"] = native_attention.plan(
+                    key_slots, inputs.query_slots, inputs.slot_is_token, self.window)
+            got = native_attention.attend(q, k, v, native, self.scale, self.softcap)  # (B, T, nh*hd)
+            if got is not None:
+                return got
         plans = inputs.row_plans.get(self.layer_type)
         if plans is None:
             one_call = q.dtype == torch.bfloat16 and self.window is None and self.softcap is None

@@ -14,6 +14,10 @@ rows (one query each) go in one call of the whole step, each entry on its own ro
 
 Cost: a call per row (or per row and query) where the batched path makes one per layer, but for the
 decode steps of bfloat16 models (see the README's "Batch-invariant numerics").
+
+Where the native kernel is built (models/native_attention.py: one call a layer, invariant by
+construction, linear in memory), `Attention` and the compiled programs' `attend_rows` use it instead;
+these calls are then the fallback (no compiler, `LMCLI_ATTENTION=torch`, a dtype it does not take).
 """
 
 from __future__ import annotations
@@ -261,6 +265,15 @@ def attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.
 
 def _attend_rows_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
                         scale: float) -> torch.Tensor:
+    from lmcli.models import native_attention
+
+    if native_attention.isa() is not None:  # the eager path's kernel, so a program's numbers are eager's
+        visible = (mask[:, :, 0] == 0).sum(-1)  # (B, T): each query's keys are a prefix of its row's index
+        plan = native_attention.NativePlan(index.cpu().contiguous(), torch.zeros_like(visible).cpu(),
+                                           visible.cpu().contiguous())
+        got = native_attention.attend(q, k, v, plan, scale, None)
+        if got is not None:
+            return got
     with _one_thread(q.device):
         return attend_gathered(q, k, v, index, mask, scale)
 
