@@ -220,7 +220,8 @@ def test_no_import_circle():
 
 
 def test_no_import_runs_up_the_layers():
-    upward, used = [], set()
+    upward: list[str] = []
+    used: set[tuple[str, str]] = set()
     for source, targets in import_graph().items():
         for target in targets:
             a, b = new_name(source), new_name(target)
