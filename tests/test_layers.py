@@ -163,10 +163,13 @@ def new_name(module: str) -> str:
 
 
 def layer_of(module: str) -> int:
+    """The index in LAYERS of the module's longest listed prefix (the package itself, "lmcli", only by
+    name: a module nobody placed has no layer); -1 for none."""
     best, index = -1, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+            inside = module == prefix or (prefix != "lmcli" and module.startswith(prefix + "."))
+            if inside and len(prefix) > best:
                 best, index = len(prefix), i
     return index
 
