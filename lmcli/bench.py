@@ -224,8 +224,10 @@ def _run_engines(settings: BenchSettings, resolved: ResolvedModel, chosen: Any,
 
 
 
-def main(checkpoint: str | None = None, as_json: bool = False, **options: Any) -> dict[str, Any]:
-    """Run the benchmark and print it (rich tables, or JSON with `as_json`); returns the results.
+def main(checkpoint: str | None = None, as_json: bool = False, as_markdown: bool = False,
+         **options: Any) -> dict[str, Any]:
+    """Run the benchmark and print it (rich tables, JSON with `as_json`, or the engine table as Markdown
+    with `as_markdown`); returns the results.
 
     `options` are `lmcli bench`'s (see settings_from_options) or BenchSettings fields."""
     settings = settings_from_options(checkpoint, **options)
@@ -235,6 +237,12 @@ def main(checkpoint: str | None = None, as_json: bool = False, **options: Any) -
     results = run(settings, progress=lambda message: status.print(f"[dim]{message}…[/dim]"))
     if as_json:
         sys.stdout.write(json.dumps(results, indent=1) + "\n")
+        return results
+    if as_markdown:
+        from lmcli.bench_report import markdown_report
+
+        sys.stdout.write(markdown_report(results, "lmcli bench " + " ".join(sys.argv[sys.argv.index("bench") + 1:])
+                                         if "bench" in sys.argv else "lmcli bench"))
         return results
     console = Console()
     if "engines" in settings.sections:

@@ -141,3 +141,32 @@ def print_report(results: dict[str, Any], console=None) -> None:
     elif quality.get("unavailable"):
         console.print(f"quality: {quality['unavailable']}")
 
+
+
+def markdown_report(results: dict[str, Any], command: str = "lmcli bench") -> str:
+    """The engine comparison as a Markdown table under the machine it ran on and the command that made it
+    (`lmcli bench --markdown`): what docs/benchmarks.md keeps, one table per kind of CPU."""
+    machine, settings = results["machine"], results["settings"]
+    batches = settings["batch_sizes"]
+    lines = [f"CPU: {machine['cpu']} · {machine['logical_cpus']} logical CPUs · torch {machine['torch']} capability "
+             f"{machine['torch_cpu_capability']} · extensions {' '.join(machine['extensions']) or 'none seen'} · "
+             f"read bandwidth {machine['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+             "",
+             f"`{command}` on {Path(results['checkpoint']).name}: prefill {settings['prefill_tokens']} tokens (b1), "
+             f"decode {settings['new_tokens']} tokens after {settings['prompt_tokens']}, median of "
+             f"{settings['repeats']} interleaved round(s).",
+             ""]
+    columns = ["engine", "prefill tok/s", "TTFT ms", *(f"decode b{b} tok/s" for b in batches), "peak RSS MiB",
+               "b1 vs transformers", "b1 vs llama.cpp"]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if c == "engine" else "---:" for c in columns) + "|"]
+    for name, figures in results["engines"].items():
+        if "unavailable" in figures:
+            cells = ["n/a"] * (len(columns) - 1)
+        else:
+            ttft, peak = figures.get("ttft_s"), figures.get("peak_rss_bytes")
+            cells = [_rate(figures.get("prefill_tokens_per_s"), 0), _rate(ttft * 1000 if ttft is not None else None, 0),
+                     *(_rate(figures.get(f"decode_b{b}_tokens_per_s")) for b in batches),
+                     _rate(peak / 2**20 if peak else None, 0),
+                     *(_ratio(figures, o, "decode_b1_tokens_per_s") for o in ("transformers", "llama.cpp"))]
+        lines.append("| " + " | ".join([_label(name, figures, results), *cells]) + " |")
+    return "\n".join(lines) + "\n"

@@ -691,6 +691,8 @@ def bench(
                 f"{', '.join(n for n in _BENCH_SECTIONS if n != 'engines') or 'none other yet'}. "
                 f"Default: {_listed(_BENCH.sections)}.")] = None,
     as_json: Annotated[bool, _switch("--json", "Print the results as JSON instead of tables.")] = False,
+    as_markdown: Annotated[bool, _switch(
+        "--markdown", "Print the engine comparison as a Markdown table, with the CPU and the command.")] = False,
 ) -> None:
     """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
     from lmcli import bench as bench_module
@@ -701,7 +703,7 @@ def bench(
         max_new_tokens=max_new_tokens, batch_size=batch_size, prompt_tokens=prompt_tokens,
         prefill_tokens=prefill_tokens, repeats=repeats, contexts=contexts, scaling_batches=scaling_batches,
         skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, sections=sections,
-        as_json=as_json,
+        as_json=as_json, as_markdown=as_markdown,
     )
     # Unset options are left out so bench.py's own defaults apply (and are validated there).
     bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})

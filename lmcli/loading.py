@@ -226,10 +226,10 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     built.eval()
     release_freed_memory()
     if packed is not None and type(built) is BaseModel:
-        from lmcli.io import packed_cache
+        from lmcli.models import packed_model
 
         file_tokenizer, tokenizer_json = stored_tokenizer or (None, None)
-        packed_cache.save(built, file_tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
+        packed_model.save(built, file_tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
         del stored_tokenizer, file_tokenizer, tokenizer_json
         release_freed_memory()
     return built, tokenizer
@@ -283,6 +283,7 @@ def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -
     the GGUF; None where there is no usable entry."""
     from lmcli import registry
     from lmcli.io import packed_cache
+    from lmcli.models import packed_model
 
     entry = packed_cache.open_entry(*packed)
     if entry is None:
@@ -290,7 +291,7 @@ def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -
     try:
         config = registry.config_from_hf(dict(entry.hf_config), resolved.check_as, source=resolved.config_source)
         built = _skeleton(config, str(resolved.path))
-        entry.fill(built)
+        packed_model.fill(built, entry)
         tokenizer = entry.tokenizer()
     except (CheckpointError, *packed_cache.REFUSALS) as exc:
         packed_cache.refuse(packed[0], exc)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcli.constraint import CONSTRAINED_MAX_NEW_TOKENS, KINDS, Constraint, one_constraint
 from lmcli.decoding import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
 from lmcli.decoding import (
     FLAG_NAMES,
@@ -45,7 +46,6 @@ from lmcli.decoding import (
 )
 from lmcli.decoding import ROW_SETTINGS as ROW_SETTINGS
 from lmcli.errors import LmcliError, UsageError
-from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS, KINDS, Constraint, one_constraint
 from lmcli.model_defaults import MODEL_SETTINGS, ModelDefaults, checked_model_defaults
 from lmcli.model_defaults import read_model_defaults as read_model_defaults
 

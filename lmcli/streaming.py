@@ -131,7 +131,7 @@ class RowText:
 
     CONTEXT_TOKENS = 4  # prompt tokens decoded along with the first new ones
 
-    def __init__(self, tokenizer, stops: Iterable[str] = (), prompt_ids: Sequence[int] = ()):
+    def __init__(self, tokenizer: Any, stops: Iterable[str] = (), prompt_ids: Sequence[int] = ()) -> None:
         self._decoder = StreamDecoder(tokenizer)
         self._matcher = StopMatcher(stops)
         self._pieces: list[str] = []

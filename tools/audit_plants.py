@@ -46,6 +46,7 @@ MN, FP, MR = "lmcli/model_names.py", "lmcli/fingerprint.py", "lmcli/model_ref.py
 KE, LI, KP, QS = "lmcli/models/kernels.py", "lmcli/models/linear.py", "lmcli/models/kernel_plan.py", "lmcli/quant/stored.py"
 DI, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs.py", "lmcli/job_input.py", "lmcli/generation/rows.py"
 CO, SP, TH = "lmcli/generation/constraints.py", "lmcli/generation/speculative.py", "lmcli/threads.py"
+CN = "lmcli/constraint.py"  # the constraint as a setting (its masks are CO's)
 ED, EDR, EDC = "lmcli/models/encoder_decoder.py", "lmcli/models/encoder_decoder_run.py", "lmcli/models/encoder_decoder_config.py"
 T5, BA = "lmcli/models/t5.py", "lmcli/models/bart.py"
 OPENAI_AND_STRUCTURED = (*AREAS["openai"], "tests/test_structured_cli.py::test_openai_batch_response_format")
@@ -237,12 +238,12 @@ PLANTS = [
           "max_new_tokens=rows[0].settings.max_new_tokens,",
           "rows batched with a shorter row stop at its max_new_tokens ('length' early)"),
     # --- structured output
-    Plant("X1", "structured", CO, '_JSON_OPTIONS = {"whitespace_flexible": False,', '_JSON_OPTIONS = {"whitespace_flexible": True,',
+    Plant("X1", "structured", CN, '_JSON_OPTIONS = {"whitespace_flexible": False,', '_JSON_OPTIONS = {"whitespace_flexible": True,',
           "--json lets the model pad an object with whitespace until the token limit"),
-    Plant("X2", "structured", CO, "if values.get(kind) not in (None, False)]", "if values.get(kind) is not None]",
+    Plant("X2", "structured", CN, "if values.get(kind) not in (None, False)]", "if values.get(kind) is not None]",
           'a job row with "json": false is refused ("--json must be true")',
           tests=(*AREAS["structured"], "tests/test_jobs.py")),
-    Plant("X3", "structured", CO, "CONSTRAINED_MAX_NEW_TOKENS = 512", "CONSTRAINED_MAX_NEW_TOKENS = 128",
+    Plant("X3", "structured", CN, "CONSTRAINED_MAX_NEW_TOKENS = 512", "CONSTRAINED_MAX_NEW_TOKENS = 128",
           "a constrained row without -n stops at 128 tokens: objects cut off"),
     Plant("X4", "structured", CO, "restart = ahead is not None or (self._seen != -1 and length != self._seen + 1)",
           "restart = ahead is not None",
@@ -250,7 +251,7 @@ PLANTS = [
     Plant("X6", "structured", CO, 'pieces.append(bytes([int(match.group(1), 16)]) if match else piece.replace("\\u2581", " ").encode())',
           "pieces.append(bytes([int(match.group(1), 16)]) if match else piece.encode())",
           "SentencePiece vocabularies (Gemma) are constrained with '▁' for spaces: wrong or no output"),
-    Plant("X7", "structured", CO, "elif key in _SCHEMA_MAPS and isinstance(value, dict):", "elif key in _SCHEMA_LISTS and isinstance(value, dict):",
+    Plant("X7", "structured", CN, "elif key in _SCHEMA_MAPS and isinstance(value, dict):", "elif key in _SCHEMA_LISTS and isinstance(value, dict):",
           "a typo such as 'requird' inside properties is silently ignored"),
     # --- speculation (prompt lookup)
     Plant("P1", "speculative", SP, "if kept and not stop:", "if kept:",

@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from lmcli.errors import first_line
 from lmcli.fingerprint import source_digest
-from lmcli.models.packed_model import DTYPES, Damaged, apply, describe
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
@@ -47,6 +45,15 @@ MAX_HEADER = 16 << 20  # a header claiming more is not one of ours
 PIECE_BYTES = 1 << 22  # the checksum reads the data in pieces of this size
 ENV = "LMCLI_PACKED_CACHE"  # "0": neither read nor write entries
 
+
+
+# The tensor dtypes an entry may hold, by the names its header gives them.
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+                                                      torch.int8, torch.int32, torch.int64, torch.bool)}
+
+
+class Damaged(ValueError):
+    """An entry that is not what this format writes, or does not fit the model."""
 
 
 def enabled() -> bool:
@@ -124,16 +131,16 @@ def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
     return torch.frombuffer(bytearray(tokenizer.backend.to_str().encode()), dtype=torch.uint8)
 
 
-def save(model: nn.Module, tokenizer: Tokenizer | None, hf_config: dict[str, Any], path: Path,
-         key: dict[str, Any], tokenizer_json: torch.Tensor | None = None) -> None:
-    """Write `model`, its tokenizer (`tokenizer_json`: its `tokenizer_bytes`, made now if not given) and
-    the config it was built from as an entry at `path`; a one-line warning (and no entry) where that fails."""
+def save(header: dict[str, Any], tensors: list[torch.Tensor], tokenizer: Tokenizer | None, hf_config: dict[str, Any],
+         path: Path, key: dict[str, Any], tokenizer_json: torch.Tensor | None = None) -> None:
+    """Write a model as described (`header`, `tensors`: models/packed_model.py's `describe`), its tokenizer
+    (`tokenizer_json`: its `tokenizer_bytes`, made now if not given) and the config it was built from as an
+    entry at `path`; a one-line warning (and no entry) where that fails."""
     from lmcli.io.atomic import atomic_file
 
     try:
-        header, tensors = describe(model)
         json.dumps(hf_config)  # plain values only
-    except (ValueError, TypeError) as exc:  # a model this format cannot describe: loaded from the GGUF each time
+    except (ValueError, TypeError) as exc:
         sys.stderr.write(f"note: the loaded weights are not kept in the packed cache ({exc})\n")
         return
     header["hf_config"] = hf_config
@@ -261,11 +268,6 @@ class Entry:
         self.hf_config: dict[str, Any] = header["hf_config"]
         if not isinstance(self.hf_config, dict):
             raise Damaged("no config")
-
-    def fill(self, model: nn.Module) -> None:
-        """Fill `model`, built from `hf_config` with its weights not yet placed (Damaged where the
-        entry does not fit it: `model` may then be half-filled)."""
-        apply(model, self.header, self.views)
 
     def tokenizer(self) -> Tokenizer | None:
         from tokenizers import Tokenizer as Backend

@@ -15,13 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
-                                                      torch.int8, torch.int32, torch.int64, torch.bool)}
+from lmcli.io import packed_cache
+from lmcli.io.packed_cache import DTYPES, Damaged  # the file format's (io/packed_cache.py)
+
 _PLAIN = (bool, int, float, str, type(None))
-
-
-class Damaged(ValueError):
-    """An entry that is not what this format writes, or does not fit the model."""
 
 
 def _module_classes() -> dict[str, Any]:
@@ -222,3 +219,23 @@ def _settable(cls: type, name: str) -> str:
             or isinstance(default, property | functools.cached_property):
         raise Damaged(f"a kernel setting named {name!r}")
     return name
+
+
+def save(model: nn.Module, tokenizer: Any, hf_config: dict[str, Any], path: Any, key: dict[str, Any],
+         tokenizer_json: torch.Tensor | None = None) -> None:
+    """Keep `model` (after loading, fusing and tying) in the packed cache (io/packed_cache.py's `save`);
+    a one-line note (and no entry) for a model this format cannot describe."""
+    import sys
+
+    try:
+        header, tensors = describe(model)
+    except (ValueError, TypeError) as exc:  # loaded from the GGUF each time, then
+        sys.stderr.write(f"note: the loaded weights are not kept in the packed cache ({exc})\n")
+        return
+    packed_cache.save(header, tensors, tokenizer, hf_config, path, key, tokenizer_json=tokenizer_json)
+
+
+def fill(model: nn.Module, entry: packed_cache.Entry) -> None:
+    """Fill `model`, built from the entry's `hf_config` with its weights not yet placed (Damaged where the
+    entry does not fit it: `model` may then be half-filled)."""
+    apply(model, entry.header, entry.views)
