@@ -170,7 +170,8 @@ async def _completion(state: ServerState, request: Request, url: str) -> Respons
             response = await exchange.whole(request)
         finally:
             exchange.cancel()
-        return logged(response, completion_tokens=exchange.completion_tokens)
+        return logged(response, completion_tokens=exchange.completion_tokens,
+                      disconnected=exchange.disconnected or None)
     # Streaming: the status is decided by the first event (a row that fails at once is an error response).
     try:
         first = await exchange.next_event()
@@ -182,13 +183,15 @@ async def _completion(state: ServerState, request: Request, url: str) -> Respons
         return logged(error_response(first))
 
     async def stream() -> AsyncIterator[bytes]:
+        complete = False
         try:
             async for chunk in exchange.chunks(first):
                 yield chunk
+            complete = True
         finally:
             exchange.cancel()  # the client went away (or the stream ended): the rows end at the next step
             logged(Response(status_code=200), completion_tokens=exchange.completion_tokens,
-                   disconnected=exchange.disconnected or None)
+                   disconnected=None if complete else True)
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -202,6 +205,7 @@ class _Exchange:
         self.state, self.parsed, self.sinks, self.events, self.deadline = state, parsed, sinks, events, deadline
         self.results: list[Any] = [None] * len(sinks)
         self.completion_tokens = 0
+        self.seen = [0] * len(sinks)  # each row's tokens so far
         self.disconnected = False
         key = f"{parsed.rows[0].id:x}-{time.time_ns():x}"
         self.id = ("chatcmpl-" if parsed.url == openai_batch.CHAT else "cmpl-") + key
@@ -224,6 +228,9 @@ class _Exchange:
                     self.disconnected = True
                     return ApiError(499, "the client closed the request")
                 continue
+            if event.kind == "token":
+                self.seen[index] = event.tokens
+                self.completion_tokens = sum(self.seen)
             if event.kind == "error":
                 return ApiError(500, f"generation failed: {event.message}", type="server_error")
             if event.kind == "done":
@@ -233,7 +240,8 @@ class _Exchange:
                 if event.result.error is not None:  # the constraint's engine gave up on the text
                     return ApiError(500, f"generation failed: {event.result.error}", type="server_error")
                 self.results[index] = event.result
-                self.completion_tokens += len(event.result.tokens)
+                self.seen[index] = len(event.result.tokens)
+                self.completion_tokens = sum(self.seen)
             return index, event
 
     def _timed_out(self) -> ApiError:

@@ -37,6 +37,7 @@ class Event:
     logprobs: list[dict] = field(default_factory=list)
     result: RowResult | None = None
     message: str = ""
+    tokens: int = 0  # the row's tokens so far
 
 
 class RowSink:
@@ -62,7 +63,7 @@ class RowSink:
         text = result.text.text
         steps = result.logprobs or []
         if len(text) > self.sent_chars or len(steps) > self.sent_logprobs:
-            self.put(Event("token", text[self.sent_chars:], steps[self.sent_logprobs:]))
+            self.put(Event("token", text[self.sent_chars:], steps[self.sent_logprobs:], tokens=len(result.tokens)))
             self.sent_chars, self.sent_logprobs = len(text), len(steps)
 
     def done(self, result: RowResult) -> None:
