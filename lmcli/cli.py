@@ -619,7 +619,8 @@ def serve(
       curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The sky is", "max_tokens": 16}'
     """
     _use_threads(threads)
-    from lmcli.serve.server import ServeOptions, serve as run_server
+    from lmcli.serve.server import ServeOptions
+    from lmcli.serve.server import serve as run_server
 
     resolved = _resolve(checkpoint, model, tokenizer)
     from lmcli.settings import GenerationSettings

@@ -51,10 +51,11 @@ class ServerState:
     draining: bool = False  # SIGTERM: no new request is admitted
 
     def log(self, record: dict[str, Any]) -> None:
+        record = {key: value for key, value in record.items() if value is not None}
         if self.log_format == "json":
-            line = json.dumps(record, ensure_ascii=False)
+            line = json.dumps({"time": round(time.time(), 3), **record}, ensure_ascii=False)
         else:
-            line = " ".join(f"{key}={value}" for key, value in record.items() if value is not None)
+            line = " ".join(f"{key}={value}" for key, value in record.items())
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
@@ -232,7 +233,9 @@ class _Exchange:
                 self.seen[index] = event.tokens
                 self.completion_tokens = sum(self.seen)
             if event.kind == "error":
-                return ApiError(500, f"generation failed: {event.message}", type="server_error")
+                if event.status == 503:
+                    return ApiError(503, event.message, type="server_error", code="shutting_down")
+                return ApiError(event.status, f"generation failed: {event.message}", type="server_error")
             if event.kind == "done":
                 assert event.result is not None
                 if event.result.finish_reason == TIMED_OUT:
@@ -288,9 +291,13 @@ class _Exchange:
                 yield self._chunk([choice])
             elif event.kind == "done":
                 assert event.result is not None
-                finish = openai_batch.FINISH_REASONS.get(event.result.finish_reason, event.result.finish_reason)
+                reason = event.result.finish_reason or ""
+                finish = openai_batch.FINISH_REASONS.get(reason, reason)
                 done: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
-                done.update({"delta": {}} if chat else {"text": ""})
+                if chat:
+                    done["delta"] = {}
+                else:
+                    done["text"] = ""
                 yield self._chunk([done])
                 if all(result is not None for result in self.results):
                     if self.parsed.include_usage:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,7 @@ class Event:
     result: RowResult | None = None
     message: str = ""
     tokens: int = 0  # the row's tokens so far
+    status: int = 500  # of an error: 503 when the server is shutting down
 
 
 class RowSink:
@@ -53,10 +55,8 @@ class RowSink:
         self.finished = False
 
     def put(self, event: Event) -> None:
-        try:
+        with contextlib.suppress(RuntimeError):  # a closed loop: the server is gone, nobody listens
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, event))
-        except RuntimeError:  # the loop is closed: the server is gone, nobody listens
-            pass
 
     def progress(self, result: RowResult) -> None:
         """Send what the row added since the last call (text already safe to show, see streaming.RowText)."""
@@ -73,10 +73,10 @@ class RowSink:
         self.finished = True
         self.put(Event("done", result=result))
 
-    def fail(self, message: str) -> None:
+    def fail(self, message: str, status: int = 500) -> None:
         if not self.finished:
             self.finished = True
-            self.put(Event("error", message=message))
+            self.put(Event("error", message=message, status=status))
 
 
 class QueueFull(Exception):
@@ -126,19 +126,26 @@ class Scheduler:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self, timeout: float) -> None:
-        """Stop admitting, cancel every row still waiting or in flight (each ends at the next step), and
-        wait up to `timeout` seconds for the thread."""
+    def abort(self) -> None:
+        """Stop admitting and end every row still waiting or in flight: its request hears at once that the
+        server is shutting down (503), and the row leaves the batch at the next step."""
         with self._lock:
             self._admitting = False
-            self._stop = True
             for row in self._waiting:
                 sink = self.sinks.pop(row.id, None)
                 if sink is not None:
-                    sink.fail("the server is shutting down")
+                    sink.fail("the server is shutting down", 503)
             self._waiting.clear()
-            for sink in self.sinks.values():
+            for sink in list(self.sinks.values()):
                 sink.cancelled = True
+                sink.fail("the server is shutting down", 503)
+            self._lock.notify()
+
+    def stop(self, timeout: float) -> None:
+        """abort(), then end the thread, waiting up to `timeout` seconds for it."""
+        self.abort()
+        with self._lock:
+            self._stop = True
             self._lock.notify()
         self.thread.join(timeout)
 
@@ -172,7 +179,7 @@ class Scheduler:
                            alone=self._alone, prefix_cache=self.prefix_cache, capacity=self.capacity + 1)
             self.run = run
             try:
-                run.run(iter(()), lambda rows: [self._alone(row) for row in rows], errors=errors)
+                run.run(iter(()), self._isolate, errors=errors)
                 return
             except Exception as e:  # a bug: fail the rows in flight, keep serving the others
                 self.error = e
@@ -197,6 +204,10 @@ class Scheduler:
         self.running -= 1
         if sink is not None:
             sink.fail(message)
+
+    def _isolate(self, rows: list[PreparedRow]) -> None:
+        for row in rows:
+            self._alone(row)
 
     def _alone(self, row: PreparedRow) -> None:
         """A row run by itself (generate_batch: the same tokens), after its batch failed or when it does not

@@ -12,6 +12,7 @@ import ipaddress
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -96,12 +97,18 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            state.draining = True
-            scheduler.stop_admitting()
+            if not state.draining:
+                state.draining = True
+                scheduler.stop_admitting()
+                # The requests in flight may finish within the bound; then they are ended (503, or an
+                # error event that ends a stream), so that uvicorn's own cancelling is only a backstop.
+                timer = threading.Timer(options.shutdown_timeout, scheduler.abort)
+                timer.daemon = True
+                timer.start()
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(build_app(state), log_level="warning", access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(1, round(options.shutdown_timeout)))
+                            timeout_graceful_shutdown=round(options.shutdown_timeout) + 5)
     server = Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
