@@ -63,8 +63,17 @@ def test_queue_limit_429_then_sigterm_under_load_exits_0(tmp_path, smollm2_gguf)
         assert "Traceback" not in served.log.read_text()
 
 
-def test_kill_9_gives_clients_a_connection_error(tmp_path, smollm2_gguf):
-    with serving(tmp_path, "--batch-size", "4", "--context", "512") as served:
+def test_time_limit_then_kill_9_gives_clients_a_connection_error(tmp_path, smollm2_gguf):
+    with serving(tmp_path, "--batch-size", "4", "--context", "512", "--request-timeout", "6") as served:
+        api = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        with pytest.raises(openai.APIStatusError) as late:  # 500 tokens take far longer than 6 s here
+            api.completions.create(model="x", prompt="Go:", max_tokens=500, temperature=0, logit_bias={"2": -100})
+        assert late.value.status_code == 504 and "time limit of 6 s" in str(late.value)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and httpx.get(served.url + "/health").json()["running"] > 0:
+            time.sleep(0.1)
+        assert httpx.get(served.url + "/health").json()["running"] == 0  # its place is free again (next step)
+
         threads, outcomes = load(served, 3, 300)
         served.process.send_signal(signal.SIGKILL)
         served.process.wait(30)
