@@ -215,6 +215,7 @@ def test_errors_in_openai_shape(server):
     nothing = {"type": "json_schema", "json_schema": {"name": "none", "schema": {"type": "string", "enum": []}}}
     error(http.post("/v1/chat/completions", json={"messages": MESSAGES, "response_format": nothing}), 400)
     error(http.post(url, json={"prompt": "x", "n": 100}), 400)
+    assert error(http.post(url, json={"prompt": "x", "prompt_lookup": True}), 400)["param"] == "prompt_lookup"
     error(http.post(url, json={"prompt": "x", "stream_options": {"include_usage": True}}), 400)
     assert error(http.post(url, json={"prompt": "x"}, headers={"Authorization": "Bearer nope"}), 401)["code"] == \
         "invalid_api_key"

@@ -92,6 +92,9 @@ def parse(url: str, body: Any, base: GenerationSettings, tokenizer: Any, vocab_s
     except (RowError, LmcliError) as e:
         message = openai_batch.in_body_terms(str(e), {"body": body})
         raise bad(message, _param(message)) from None
+    if settings.speculates():  # a served model does not speculate: the field would do nothing
+        name = "prompt_lookup" if settings.prompt_lookup else "draft_model"
+        raise bad(f'body field "{name}" is not supported by lmcli serve (no speculative decoding)', name)
     if settings.chat and not tokenizer.chat_template:
         raise bad("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
