@@ -288,3 +288,25 @@ def test_port_in_use_is_one_line(server):
     port = server.url.rsplit(":", 1)[1]
     taken = run_lmcli("serve", "--port", port)
     assert taken.returncode == 1 and taken.stderr.count(b"\n") == 1 and b"already in use" in taken.stderr
+
+
+def test_a_request_gets_the_settings_lmcli_generate_gets(reference, smollm2_gguf):
+    """The defaults a request falls back on are `lmcli generate`'s: the model's, else lmcli's, and 512 new
+    tokens under a schema (CONSTRAINED_MAX_NEW_TOKENS, as --json-schema has), whatever the route."""
+    from lmcli import openai_batch
+    from lmcli.generation.constraints import one_constraint
+    from lmcli.model_ref import resolve_model
+    from lmcli.serve.requests import parse
+    from lmcli.settings import GenerationSettings
+
+    defaults = resolve_model(smollm2_gguf).defaults
+    base = GenerationSettings().with_model_defaults(defaults)
+    tokenizer, vocab = reference.tokenizer, reference.model.config.vocab_size
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
+    cases = [({"prompt": "x"}, {}), ({"prompt": "x", "temperature": 0}, {"greedy": True}),
+             ({"prompt": "x", "response_format": fmt}, {"constraint": one_constraint({"json_schema": SCHEMA})}),
+             ({"prompt": "x", "top_p": 0.5, "seed": 3}, {"top_p": 0.5, "seed": 3})]
+    for body, flags in cases:
+        [row] = parse(openai_batch.COMPLETIONS, body, base, tokenizer, vocab, 4096, 1).rows
+        want = GenerationSettings.from_flags(**flags).with_model_defaults(defaults)
+        assert row.settings.used() == want.used(), body
