@@ -630,7 +630,7 @@ def serve(
     def load():
         return _load(resolved, device, dtype, quantize=quantize, compile_decode=False, job=True)
 
-    options = ServeOptions(host=host, port=port, api_key=api_key, batch_size=batch_size or 8, max_queue=max_queue,
+    options = ServeOptions(host=host, port=port, api_key=api_key, batch_size=batch_size, max_queue=max_queue,
                            context=context, max_body=max_body, request_timeout=request_timeout,
                            shutdown_timeout=shutdown_timeout, log_format=log_format.value)
     run_server(options, load, resolved.identity, base)

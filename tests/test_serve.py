@@ -303,7 +303,7 @@ def test_a_request_gets_the_settings_lmcli_generate_gets(reference, smollm2_gguf
     base = GenerationSettings().with_model_defaults(defaults)
     tokenizer, vocab = reference.tokenizer, reference.model.config.vocab_size
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}
-    cases = [({"prompt": "x"}, {}), ({"prompt": "x", "temperature": 0}, {"greedy": True}),
+    cases: list[tuple[dict, dict[str, Any]]] = [({"prompt": "x"}, {}), ({"prompt": "x", "temperature": 0}, {"greedy": True}),
              ({"prompt": "x", "response_format": fmt}, {"constraint": one_constraint({"json_schema": SCHEMA})}),
              ({"prompt": "x", "top_p": 0.5, "seed": 3}, {"top_p": 0.5, "seed": 3})]
     for body, flags in cases:

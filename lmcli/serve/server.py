@@ -28,7 +28,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     api_key: str | None = None
-    batch_size: int = 8
+    batch_size: int | None = None  # None: jobs.default_batch_size (8 on CPU, 32 on GPU)
     max_queue: int = 64
     context: int | None = None
     max_body: int = 1 << 20
@@ -84,10 +84,13 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
     if not use_continuous(model):
         raise LmcliError("lmcli serve needs a model whose rows run continuously (a decoder-only model on the "
                          "batch-invariant path, without --tp, --fast-kernels or speculation)")
+    from lmcli.jobs import default_batch_size
+
+    batch_size = options.batch_size or default_batch_size(model)
     max_positions = model.config.max_position_embeddings
     context = min(options.context or DEFAULT_CONTEXT, max_positions)
     model_record = identity()
-    scheduler = Scheduler(model, tokenizer, options.batch_size, options.max_queue, context,
+    scheduler = Scheduler(model, tokenizer, batch_size, options.max_queue, context,
                           prefix_cache=prefix_cache_for(model))
     state = ServerState(scheduler, tokenizer, model.config.vocab_size, base, model_record["name"],
                         model_record["fingerprint"], context, max_body=options.max_body,
@@ -113,7 +116,7 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     sys.stderr.write(f"lmcli serve: {model_record['name']} on http://{shown}:{port}/v1 "
-                     f"(batch {options.batch_size}, queue {options.max_queue}, context {context})\n")
+                     f"(batch {batch_size}, queue {options.max_queue}, context {context})\n")
     sys.stderr.flush()
     # uvicorn raises the signal it stopped on again once it is done; with these handlers that is a no-op,
     # so the process ends here, exiting 0.
