@@ -121,9 +121,8 @@ class ContinuousRun:
 
     def __init__(self, model: Any, tokenizer: Any, batch_size: int, *, on_done: Callable[[RowResult], None],
                  alone: Callable[[PreparedRow], None], prefix_cache: PrefixCache | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK, capacity: int | None = None):
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.model, self.tokenizer = model, tokenizer
-        self.capacity = capacity  # the batch's columns; None: twice the longest of its first rows (_new_batch)
         self.batch_size = batch_size
         self.on_done, self.alone = on_done, alone
         self.prefix_cache = prefix_cache
@@ -182,7 +181,7 @@ class ContinuousRun:
 
     def _new_batch(self, need: int) -> _Batch:
         max_positions = self.model.config.max_position_embeddings
-        capacity = min(max_positions, self.capacity or max(MIN_CAPACITY, 2 * need))
+        capacity = min(max_positions, max(MIN_CAPACITY, 2 * need))
         cache = self.model.init_cache(self.batch_size, capacity)
         slot_is_token = torch.zeros(self.batch_size, capacity, dtype=torch.bool, device=self.model.device)
         return _Batch(cache, slot_is_token, [None] * self.batch_size, capacity=capacity, feed=[0] * self.batch_size)

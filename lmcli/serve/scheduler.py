@@ -173,10 +173,8 @@ class Scheduler:
 
         errors = (ValueError, RuntimeError, LmcliError)
         while True:
-            # Columns for the longest row the server admits (prompt + max_tokens <= capacity), so that
-            # every row joins the batch.
             run = ServeRun(self, self.model, self.tokenizer, self.batch_size, on_done=self._done,
-                           alone=self._alone, prefix_cache=self.prefix_cache, capacity=self.capacity + 1)
+                           alone=self._alone, prefix_cache=self.prefix_cache)
             self.run = run
             try:
                 run.run(iter(()), self._isolate, errors=errors)
@@ -243,6 +241,11 @@ class ServeRun(ContinuousRun):
         if self.batch is None and taken:
             self.batch = self._new_batch(0)
         return taken
+
+    def _new_batch(self, need: int) -> Any:
+        # Columns for the longest row the server admits (prompt + max_tokens <= capacity, so a row needs
+        # fewer than capacity + 1), fixed as rows come and go: every row joins the batch.
+        return super()._new_batch((self.scheduler.capacity + 2) // 2)
 
     def _record(self, live: Any, token: Any, logits: Any) -> bool:
         ended = super()._record(live, token, logits)
