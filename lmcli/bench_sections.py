@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "startup": "lmcli.bench_startup",  # whole-process start-up and first token, with and without the packed cache
     "speculative": "lmcli.bench_speculative",
     "structured": "lmcli.bench_structured",  # decode with and without a JSON Schema, mask times
+    "server": "lmcli.bench_server",  # lmcli serve: client start-up, 8 streaming clients against a job, first-token latency
 }
 DEFAULT_SECTIONS = ("engines",)
 

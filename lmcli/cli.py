@@ -365,6 +365,9 @@ def generate(
     tp: Annotated[int | None, _option(
         "N", "Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
         "--tp", panel=MODEL_PANEL, min=1)] = None,
+    server: Annotated[str | None, _option(
+        "URL", "Send the prompt to a running 'lmcli serve' (e.g. http://127.0.0.1:8000) instead of loading a model; "
+               "its key from LMCLI_API_KEY.", "--server", panel=MODEL_PANEL, envvar="LMCLI_SERVER")] = None,
 ) -> None:
     """Generate a completion for PROMPT, or for every row of --input.
 
@@ -377,6 +380,19 @@ def generate(
 
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
+    if server:
+        local = {"--input": input_path, "--format": output_format == OutputFormat.jsonl, "--logprobs": logprobs,
+                 "--color-probs": color_probs, "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
+                 "--tp": tp, "--model": model, "--checkpoint": checkpoint, "--tokenizer": tokenizer,
+                 "--quantize": quantize, "--no-truncate": no_truncate}
+        from lmcli import runs
+        from lmcli.serve import client
+
+        for flag, value in local.items():
+            if value:
+                raise UsageError(f"{flag} does not apply with --server (the server has its model and settings)")
+        client.generate(server, runs.read_prompt(prompt), decoding, chat=chat, system=system, stats=stats)
+        return
     _use_threads(threads)
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
@@ -547,6 +563,81 @@ def _explicit_settings(ctx: typer.Context) -> set[str]:
     # By name: typer may bring its own copy of click, whose ParameterSource is another class.
     given = {name for name in ctx.params if getattr(ctx.get_parameter_source(name), "name", "") == "COMMANDLINE"}
     return {"temperature" if name == "greedy" else name for name in given}
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+class LogFormat(str, enum.Enum):
+    text = "text"
+    json = "json"
+
+
+SERVE_PANEL = "Server"
+
+
+@app.command()
+def serve(
+    model: ModelOption = None,
+    checkpoint: CheckpointOption = None,
+    tokenizer: TokenizerOption = None,
+    device: DeviceOption = Device.auto,
+    dtype: DTypeOption = DType.auto,
+    quantize: QuantizeOption = None,
+    threads: ThreadsOption = None,
+    host: Annotated[str, typer.Option("--host", metavar="HOST", rich_help_panel=SERVE_PANEL,
+                                      help="Address to listen on (another than localhost warns without --api-key).")
+                    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", metavar="PORT", rich_help_panel=SERVE_PANEL, min=0, max=65535,
+                                      help="Port to listen on (0: any free one, printed at start).")] = 8000,
+    api_key: Annotated[str | None, _option(
+        "KEY", "Require 'Authorization: Bearer KEY' on /v1 (401 otherwise).", "--api-key", panel=SERVE_PANEL,
+        envvar="LMCLI_API_KEY")] = None,
+    batch_size: Annotated[int | None, _option(
+        "INT", "Requests (rows) decoded together (default: 8 on CPU, 32 on GPU).", "--batch-size",
+        "--max-concurrency", panel=SERVE_PANEL, min=1)] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", metavar="INT", rich_help_panel=SERVE_PANEL, min=0,
+                                           help="Rows waiting for a place at most; a request past it gets 429.")] = 64,
+    context: Annotated[int | None, _option(
+        "TOKENS", "Longest request, prompt and max_tokens together (default: the model's context, at most 2048).",
+        "--context", panel=SERVE_PANEL, min=2)] = None,
+    max_body: Annotated[int, typer.Option("--max-body", metavar="BYTES", rich_help_panel=SERVE_PANEL, min=1,
+                                          help="Largest request body (413 past it).")] = 1 << 20,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", metavar="SECONDS", rich_help_panel=SERVE_PANEL, min=0.001,
+        help="A request still running after this long is ended (504).")] = 600.0,
+    shutdown_timeout: Annotated[float, typer.Option(
+        "--shutdown-timeout", metavar="SECONDS", rich_help_panel=SERVE_PANEL, min=0,
+        help="On SIGTERM, how long requests in flight may take to finish before they are cancelled.")] = 10.0,
+    log_format: Annotated[LogFormat, typer.Option("--log-format", metavar=_one_of(LogFormat),
+                                                  rich_help_panel=SERVE_PANEL,
+                                                  help="One line per request: key=value text, or JSON.")
+                          ] = LogFormat.text,
+) -> None:
+    """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health).
+
+    Requests run side by side in one continuous batch, each with the tokens it gets alone:
+
+      lmcli serve --port 8000
+
+      curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The sky is", "max_tokens": 16}'
+    """
+    _use_threads(threads)
+    from lmcli.serve.server import ServeOptions
+    from lmcli.serve.server import serve as run_server
+
+    resolved = _resolve(checkpoint, model, tokenizer)
+    from lmcli.settings import GenerationSettings
+
+    base = GenerationSettings().with_model_defaults(resolved.defaults)
+
+    def load():
+        return _load(resolved, device, dtype, quantize=quantize, compile_decode=False, job=True)
+
+    options = ServeOptions(host=host, port=port, api_key=api_key, batch_size=batch_size, max_queue=max_queue,
+                           context=context, max_body=max_body, request_timeout=request_timeout,
+                           shutdown_timeout=shutdown_timeout, log_format=log_format.value)
+    run_server(options, load, resolved.identity, base)
 
 
 # ----------------------------------------------------------------------------- models, info, bench

@@ -38,6 +38,11 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (SETTINGS["presence_penalty"].off,), "frequency_penalty": (SETTINGS["frequency_penalty"].off,),
     "logit_bias": (None, {}),
 }
+# A live server (lmcli.serve) also takes these: OpenAI's penalties and logit_bias set lmcli's row settings
+# of the same names (the same rules: generated tokens only, biases from -100 to 100 by token id), and
+# the server itself reads stream, stream_options and n.
+SERVED_SETTINGS = ("presence_penalty", "frequency_penalty", "logit_bias")
+SERVED_FIELDS = ("stream", "stream_options", "n")
 CHAT_FIELDS = ("messages", "logprobs", "top_logprobs")
 COMPLETION_FIELDS = ("prompt", "logprobs")
 MAX_TOP_LOGPROBS = 20  # what OpenAI allows
@@ -69,18 +74,28 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
     body = obj.get("body")
     if not isinstance(body, dict):
         raise RowError('"body" must be a JSON object')
+    return (url, *parse_body(url, body))
 
+
+def parse_body(url: str, body: dict, *, served: bool = False) -> tuple[str | list[dict], dict, int | None]:
+    """(prompt or chat messages, lmcli row overrides, logprobs count or None) of one request body for
+    `url`; RowError naming the field. `served`: a live server's request (lmcli.serve), which also takes
+    SERVED_SETTINGS and leaves SERVED_FIELDS to the server."""
     own = CHAT_FIELDS if url == CHAT else COMPLETION_FIELDS
-    known = (*SETTINGS_FIELDS, *IGNORED_FIELDS, *NEUTRAL_VALUES, *own, "response_format")
+    settings_fields = {**SETTINGS_FIELDS, **({name: name for name in SERVED_SETTINGS} if served else {})}
+    known = (*settings_fields, *IGNORED_FIELDS, *NEUTRAL_VALUES, *own, "response_format",
+             *(SERVED_FIELDS if served else ()))
     for key in body:
         if key not in known:
             raise RowError(f'body field "{key}" is not supported by lmcli for {url}')
     for key, neutral in NEUTRAL_VALUES.items():
+        if served and key in (*SERVED_FIELDS, *SERVED_SETTINGS):
+            continue
         if key in body and body[key] not in neutral:
             raise RowError(f'body field "{key}" = {body[key]!r} is not supported by lmcli (only {neutral[0]!r})')
     if "max_tokens" in body and "max_completion_tokens" in body:
         raise RowError('give "max_tokens" or "max_completion_tokens", not both')
-    overrides = {SETTINGS_FIELDS[key]: value for key, value in body.items() if key in SETTINGS_FIELDS}
+    overrides = {settings_fields[key]: value for key, value in body.items() if key in settings_fields}
     overrides.update(_response_format(body.get("response_format")))
 
     if url == CHAT:
@@ -97,7 +112,7 @@ def parse_request(obj: dict) -> tuple[str, str | list[dict], dict, int | None]:
     else:
         prompt = _prompt(body.get("prompt"))
         logprobs = _count(body["logprobs"], "logprobs") if body.get("logprobs") is not None else None
-    return url, prompt, overrides, logprobs
+    return prompt, overrides, logprobs
 
 
 def _response_format(value: Any) -> dict:
@@ -174,32 +189,41 @@ def response_row(custom_id: str, url: str, result: Any, model_name: str, record:
     if result.error is not None:  # the constraint's engine gave up on the text: no valid response
         return error_row(custom_id, result.error, record)
     key = _key(custom_id, record["input_hash"])
-    text = result.text.text
-    finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
-    if url == CHAT:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": _chat_logprobs(result.logprobs), "finish_reason": finish}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        prompt_chars = len(result.row.prompt) if isinstance(result.row.prompt, str) else 0
-        choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(result.logprobs, prompt_chars),
-                  "finish_reason": finish}
-        kind, prefix = "text_completion", "cmpl-"
-    prompt_tokens, completion_tokens = len(result.row.prompt_ids), len(result.tokens)
-    body = {
-        "id": prefix + key,
-        "object": kind,
-        "created": int(time.time()),
-        "model": model_name,
-        "choices": [choice],
-        "usage": _usage(prompt_tokens, completion_tokens, result.speculation),
-        "system_fingerprint": record["model"]["fingerprint"],
-    }
+    body = response_body(url, [result], model_name, key, record["model"]["fingerprint"])
     return {"id": "batch_req_" + key, "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": key, "body": body}, "error": None, "lmcli": record}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None) -> dict:
+def response_body(url: str, results: list[Any], model_name: str, key: str, fingerprint: str) -> dict:
+    """The body of a completion response: one choice per finished RowResult (a server's request with n > 1
+    has several, of one prompt), usage over them all."""
+    choices = [choice(url, index, result) for index, result in enumerate(results)]
+    prompt_tokens = len(results[0].row.prompt_ids)
+    completion_tokens = sum(len(result.tokens) for result in results)
+    speculation = results[0].speculation if len(results) == 1 else None
+    return {
+        "id": ("chatcmpl-" if url == CHAT else "cmpl-") + key,
+        "object": "chat.completion" if url == CHAT else "text_completion",
+        "created": int(time.time()),
+        "model": model_name,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens, speculation),
+        "system_fingerprint": fingerprint,
+    }
+
+
+def choice(url: str, index: int, result: Any) -> dict[str, Any]:
+    """A finished row as a response's choice."""
+    finish = FINISH_REASONS.get(result.finish_reason, result.finish_reason)
+    if url == CHAT:
+        return {"index": index, "message": {"role": "assistant", "content": result.text.text},
+                "logprobs": chat_logprobs(result.logprobs), "finish_reason": finish}
+    prompt_chars = len(result.row.prompt) if isinstance(result.row.prompt, str) else 0
+    return {"index": index, "text": result.text.text,
+            "logprobs": completion_logprobs(result.logprobs, prompt_chars), "finish_reason": finish}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, speculation: dict | None) -> dict:
     """OpenAI's usage; a speculating row adds its guesses kept and dropped as OpenAI counts predicted
     tokens, and lmcli's own counts (lmcli.speculation.row_counts) as an extension member."""
     usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -225,7 +249,7 @@ def _key(custom_id: str, input_hash: str) -> str:
     return hashlib.sha256(f"{custom_id}\0{input_hash}".encode()).hexdigest()[:24]
 
 
-def _chat_logprobs(steps: list[dict] | None) -> dict | None:
+def chat_logprobs(steps: list[dict] | None) -> dict | None:
     if steps is None:
         return None
 
@@ -235,7 +259,7 @@ def _chat_logprobs(steps: list[dict] | None) -> dict | None:
     return {"content": [{**entry(step), "top_logprobs": [entry(t) for t in step["top"]]} for step in steps]}
 
 
-def _completion_logprobs(steps: list[dict] | None, start: int) -> dict | None:
+def completion_logprobs(steps: list[dict] | None, start: int) -> dict | None:
     if steps is None:
         return None
     offsets, at = [], start

@@ -233,7 +233,7 @@ class GenerationSettings(DecodingFields):
             elif name in defaults.values:
                 changes[name] = defaults.values[name]
                 sources[name] = defaults.source
-            elif name == "max_new_tokens" and self.constraint is not None:
+            elif name == "max_new_tokens" and changes.get("constraint", self.constraint) is not None:  # a row's own too
                 changes[name] = CONSTRAINED_MAX_NEW_TOKENS  # a whole object ends the text itself, at EOS
             else:
                 changes[name] = _LMCLI_DEFAULTS.get(name)

@@ -1,0 +1,83 @@
+"""`lmcli serve` under pressure: a full queue answers 429 at once; SIGTERM finishes or cancels what is in
+flight within its bound and exits 0; kill -9 leaves each client with a connection error, never a hang."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
+from serve_fixtures import API_KEY, serving
+
+openai = pytest.importorskip("openai")
+
+CLIENT_TIMEOUT = 60.0
+
+
+def load(served, count: int, max_tokens: int, running: int = 3) -> tuple[list[threading.Thread], list[object]]:
+    """`count` streaming clients, each reading until its stream ends; what each ended with (its text or its error)."""
+    api = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+    outcomes: list[object] = []
+
+    def run(i: int) -> None:
+        try:
+            # Never the end-of-text token (SmolLM2's is 2): every row runs to max_tokens.
+            stream = api.completions.create(model="x", prompt=f"Story {i}:", max_tokens=max_tokens, temperature=0,
+                                            stream=True, logit_bias={"2": -100})
+            outcomes.append("".join(c.choices[0].text for c in stream if c.choices))
+        except (openai.APIError, httpx.HTTPError) as e:
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and httpx.get(served.url + "/health").json()["running"] < running:
+        time.sleep(0.1)
+    return threads, outcomes
+
+
+def test_queue_limit_429_then_sigterm_under_load_exits_0(tmp_path, smollm2_gguf):
+    """One place in the batch and one row waiting: a third request is refused at once (429). Then SIGTERM
+    with clients streaming: the server ends them within --shutdown-timeout and exits 0; no client hangs."""
+    with serving(tmp_path, "--batch-size", "1", "--max-queue", "1", "--context", "512",
+                 "--shutdown-timeout", "3") as served:
+        threads, outcomes = load(served, 2, 300, running=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and httpx.get(served.url + "/health").json()["waiting"] < 1:
+            time.sleep(0.05)
+        api = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        with pytest.raises(openai.RateLimitError) as refused:
+            api.completions.create(model="x", prompt="One more", max_tokens=5)
+        assert refused.value.status_code == 429 and "queue" in str(refused.value)
+
+        served.process.send_signal(signal.SIGTERM)  # 300 tokens each at batch 1: far more than 3 s allow
+        assert served.process.wait(60) == 0, served.log.read_text()
+        for thread in threads:
+            thread.join(CLIENT_TIMEOUT)
+        assert not any(thread.is_alive() for thread in threads)
+        assert len(outcomes) == 2 and all(isinstance(o, openai.APIError) for o in outcomes)  # told, not hung
+        assert "Traceback" not in served.log.read_text()
+
+
+def test_time_limit_then_kill_9_gives_clients_a_connection_error(tmp_path, smollm2_gguf):
+    with serving(tmp_path, "--batch-size", "4", "--context", "512", "--request-timeout", "6") as served:
+        api = openai.OpenAI(base_url=served.base_url, api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT)
+        with pytest.raises(openai.APIStatusError) as late:  # 500 tokens take far longer than 6 s here
+            api.completions.create(model="x", prompt="Go:", max_tokens=500, temperature=0, logit_bias={"2": -100})
+        assert late.value.status_code == 504 and "time limit of 6 s" in str(late.value)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and httpx.get(served.url + "/health").json()["running"] > 0:
+            time.sleep(0.1)
+        assert httpx.get(served.url + "/health").json()["running"] == 0  # its place is free again (next step)
+
+        threads, outcomes = load(served, 3, 300)
+        served.process.send_signal(signal.SIGKILL)
+        served.process.wait(30)
+        for thread in threads:
+            thread.join(CLIENT_TIMEOUT)
+        assert not any(thread.is_alive() for thread in threads)
+        assert len(outcomes) == 3 and all(isinstance(o, (openai.APIConnectionError, httpx.HTTPError)) for o in outcomes)
