@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from lmcli.io.sizes import human_bytes
+
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
     from lmcli.model_ref import ResolvedModel
@@ -205,13 +207,6 @@ def human_count(count: int) -> str:
         if count >= size:
             return f"{count / size:.1f}{unit}"
     return str(count)
-
-
-def human_bytes(count: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if count >= size:
-            return f"{count / size:.1f} {unit}"
-    return f"{count} bytes"
 
 
 def describe_gguf_storage(path: Path) -> str:

