@@ -38,10 +38,10 @@ if TYPE_CHECKING:
 # A constraint's kinds, as a job row names them (and as `--json-schema` etc. spell them with dashes).
 KINDS = ("json_schema", "json", "regex", "grammar")
 FLAGS = {"json_schema": "--json-schema", "json": "--json", "regex": "--regex", "grammar": "--grammar"}
-MAX_SOURCE_BYTES = 1 << 20
+MAX_SOURCE_BYTES = 1 << 20  # a schema or grammar file larger than this is refused, not read (whatever the file)
 # The token limit for a constrained row that sets none: room for typical objects (a few hundred tokens).
 # A complete object ends its row at end-of-text, so the larger limit costs nothing when it is not used.
-CONSTRAINED_MAX_NEW_TOKENS = 512  # a schema or grammar file larger than this is refused, not read
+CONSTRAINED_MAX_NEW_TOKENS = 512
 
 # JSON output without free whitespace: the engine would otherwise let a small model pad an object with
 # newlines until the token limit. A schema's own "x-guidance" options still override these.
@@ -71,6 +71,14 @@ class ConstraintError(LmcliError):
     exit_code = 2
 
 
+class IncompleteOutput(LmcliError):
+    """A single run's structured output that a limit (the token limit, the context, a stop string) cut
+    before its constraint was complete: the text was written, but it is not valid. Exit 3, so that a
+    script can tell it from a failed run (1) and retry with a larger -n."""
+
+    exit_code = 3
+
+
 class Constraint(NamedTuple):
     """One row's constraint: its kind, its source as given (schema JSON, pattern, grammar text) and the
     engine's grammar compiled from it (checked, with no tokenizer yet). A plain tuple, so settings that
@@ -87,26 +95,29 @@ class Constraint(NamedTuple):
         import llguidance
 
         name = name or FLAGS.get(kind, kind)
-        if kind == "json_schema":
-            schema = _schema_value(value, name)
-            _check_keywords(schema, name)
-            source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
-        elif kind == "json":
-            if value is not True:
-                raise ConstraintError(f"{name} must be true (any JSON object), got {value!r}")
-            source = '{"type": "object"}'
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
-        elif kind in ("regex", "grammar"):
-            if not isinstance(value, str) or not value:
-                raise ConstraintError(f"{name} must be a non-empty string")
-            source = value
-            if kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(value)
+        try:
+            if kind == "json_schema":
+                schema = _schema_value(value, name)
+                _check_keywords(schema, name)
+                source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            elif kind == "json":
+                if value is not True:
+                    raise ConstraintError(f"{name} must be true (any JSON object), got {value!r}")
+                source = '{"type": "object"}'
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            elif kind in ("regex", "grammar"):
+                if not isinstance(value, str) or not value:
+                    raise ConstraintError(f"{name} must be a non-empty string")
+                source = value
+                if kind == "regex":
+                    grammar = llguidance.LLMatcher.grammar_from_regex(value)
+                else:
+                    grammar = llguidance.LLMatcher.grammar_from_lark(value)
             else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(value)
-        else:
-            raise ConstraintError(f"unknown constraint {kind!r} (expected one of {', '.join(KINDS)})")
+                raise ConstraintError(f"unknown constraint {kind!r} (expected one of {', '.join(KINDS)})")
+        except ValueError as exc:  # the engine refusing what it was given (its own limits, a bad value)
+            raise ConstraintError(f"{name}: {_one_line(str(exc))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             raise ConstraintError(f"{name}: {_one_line(messages[0])}")
@@ -141,21 +152,27 @@ def constraint_from_setting(kind: str, value: str) -> Constraint | None:
 def read_source(kind: str, value: str) -> Any:
     """A flag's value as Constraint.parse takes it: --json-schema is inline JSON (starting with "{") or a
     file, --grammar a file; --regex is the pattern itself."""
+    from lmcli.io.bounded import read_bounded
+
     name = FLAGS[kind]
     if kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{")):
         return value
-    path = Path(value)
+    # Bounded whatever the file is: a device (/dev/zero) or a FIFO says nothing by its size.
+    data = read_bounded(Path(value), MAX_SOURCE_BYTES, ConstraintError, name)
     try:
-        if path.stat().st_size > MAX_SOURCE_BYTES:
-            raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        raise ConstraintError(f"{name} {value}: {reason}") from None
-    return text
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConstraintError(f"{name} {value}: not UTF-8 text") from None
 
 
 def _schema_value(value: Any, name: str) -> dict:
+    """The schema as a dict, its depth checked before anything walks it (json.loads, the keyword check
+    and json.dumps all recurse, one level a frame)."""
+    from lmcli.io.bounded import MAX_JSON_DEPTH, text_deeper_than, value_deeper_than
+
+    deep = text_deeper_than(value, MAX_JSON_DEPTH) if isinstance(value, str) else value_deeper_than(value, MAX_JSON_DEPTH)
+    if deep:
+        raise ConstraintError(f"{name}: the schema nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -187,6 +204,9 @@ def _check_keywords(schema: Any, name: str, where: str = "") -> None:
 def _one_line(message: str) -> str:
     if message.startswith("Unimplemented keys: "):  # the engine's list of schema keywords it lacks
         return f"unsupported schema keyword(s) {message.removeprefix('Unimplemented keys: ')}"
+    if message.startswith("oneOf constraints are not supported"):  # it names an engine option, not lmcli's
+        return ('"oneOf" whose branches can overlap is not supported (the engine cannot ensure that exactly one '
+                'matches): use "anyOf", or add "x-guidance": {"coerce_one_of": true} to the schema to treat it so')
     lines = [line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
     # The engine's regex errors span lines ("regex parse error:", the pattern, a caret, "error: ...").
     detail = next((line for line in lines if line.startswith("error:")), None)
@@ -319,6 +339,9 @@ class ConstraintMask:
             if not matcher.is_error() and (matcher.is_accepting() or any(i not in self.eos_ids for i in first)):
                 return matcher
         if not matcher.is_error() or matcher.get_error().split()[0] in ("NoExtension", "NoExtensionBias"):
+            if _matches_nothing(constraint.grammar):
+                hint = ' (a "$ref" that leads only back to itself?)' if '"$ref"' in constraint.source else ""
+                raise ConstraintError(f"{name}: no text at all can satisfy it{hint}")
             raise ConstraintError(f"{name}: no token of this model's vocabulary can start it")
         raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")  # e.g. past the engine's limits
 
@@ -433,6 +456,44 @@ class ConstraintMask:
         if matcher is None or not matcher.is_error():
             return None
         return f"{self.names[row]}: {_one_line(matcher.get_error())}"
+
+
+def satisfied(tokenizer: Tokenizer, constraint: Constraint, vocab_size: int, tokens: Sequence[int]) -> bool:
+    """Whether the text of `tokens` (the completion, without its end-of-text) satisfies `constraint` whole,
+    as a fresh matcher judges it: the check for a row that a limit ended before end-of-text."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(engine_tokenizer(tokenizer, vocab_size), constraint.grammar, log_level=0)
+    return not matcher.is_error() and matcher.try_consume_tokens(list(tokens)) == len(tokens) and matcher.is_accepting()
+
+
+def satisfied_by_text(tokenizer: Tokenizer, constraint: Constraint, vocab_size: int, text: str) -> bool:
+    """`satisfied` for a text (one a stop string cut), in the engine's own tokens of its bytes."""
+    engine = engine_tokenizer(tokenizer, vocab_size)
+    return satisfied(tokenizer, constraint, vocab_size, engine.tokenize_str(text))
+
+
+class _Bytes:
+    """A vocabulary of the 256 single bytes and an end-of-text token: every text can be written in it."""
+
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+
+    def __call__(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def _matches_nothing(grammar: str) -> bool:
+    """Whether no text at all satisfies `grammar` (its language is empty, e.g. {"$ref": "#"}), rather
+    than only none this model's tokens can write: it cannot start even with single bytes."""
+    import llguidance
+
+    engine = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+    matcher = llguidance.LLMatcher(engine, grammar, log_level=0)
+    if matcher.is_error():
+        return False
+    allowed = _allowed(matcher.compute_bitmask(), 257)
+    return not matcher.is_accepting() and not [i for i in allowed if i != 256]
 
 
 def _allowed(bitmask: bytes, vocab_size: int) -> list[int]:
