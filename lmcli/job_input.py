@@ -147,6 +147,8 @@ def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> J
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             raise RowError('"prompt" is missing' if prompt is None else '"prompt" must be a string')
+        if not prompt:  # as on the command line: an empty prompt is refused, not run from BOS alone
+            raise RowError('"prompt" is empty')
         row_settings = settings.for_row(obj)
     except RowError as e:
         return _bad_row(number, row_id, str(e), text, settings, prompt=obj.get("prompt"))
@@ -186,7 +188,13 @@ def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> 
 
 
 def _decode(number: int, text: str, settings: GenerationSettings, url: str | None = None) -> tuple[Any, JobRow | None]:
-    """A line's JSON value, or the error row that says why it has none."""
+    """A line's JSON value, or the error row that says why it has none. Its depth is checked first:
+    json.loads recurses a frame a level, and a RecursionError would end the whole job."""
+    from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
+
+    if text_deeper_than(text, MAX_ROW_DEPTH):
+        return None, _bad_row(number, number, f"arrays and objects nest more than {MAX_ROW_DEPTH} levels deep",
+                              text, settings, url=url)
     try:
         return json.loads(text), None
     except json.JSONDecodeError as e:
