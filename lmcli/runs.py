@@ -122,7 +122,7 @@ def incomplete_output(result, tokenizer, config) -> LmcliError | None:
     """The error for a constrained row that a limit ended before its constraint was complete (its text was
     written, but it is not valid), naming the limit; None when the row is complete or has no constraint."""
     from lmcli.generation.constraints import FLAGS, IncompleteOutput, satisfied, satisfied_by_text
-    from lmcli.settings import FLAG
+    from lmcli.settings import DEFAULT, FLAG
 
     settings = result.row.settings
     constraint = settings.constraint
@@ -140,8 +140,9 @@ def incomplete_output(result, tokenizer, config) -> LmcliError | None:
             advice = "shorten the prompt"
         else:
             given = settings.source("max_new_tokens")
+            origin = "lmcli's default with a constraint" if given == DEFAULT else f"from {given}"
             limit = (f"-n {settings.max_new_tokens}" if given == FLAG else
-                     f"the token limit of {settings.max_new_tokens} ({given}; set one with -n)")
+                     f"the token limit of {settings.max_new_tokens} ({origin}; set one with -n)")
             advice = "raise -n"
     what = {"json_schema": "JSON Schema", "json": "JSON object", "regex": "regular expression",
             "grammar": "grammar"}[constraint.kind]

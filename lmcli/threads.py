@@ -48,7 +48,6 @@ PAUSE_S = 1.0  # a longer gap between two recheck() calls is a pause: what the C
 # The variables lmcli itself set, so that a later call (or a child process, which inherits them) does not
 # mistake lmcli's choice for the user's.
 SET_BY_LMCLI_VAR = "LMCLI_THREADS_SET"
-MAX_THREADS = 1024  # the most --threads takes; a larger OMP_NUM_THREADS is brought down to it
 
 
 @dataclass(frozen=True)
@@ -146,13 +145,14 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
         if count is None:
             note = f"note: {THREADS_VAR}={given!r} is not a number of threads; lmcli chooses the count"
             users = {name: value for name, value in users.items() if name != THREADS_VAR}
-        elif count > MAX_THREADS:
-            note = f"note: {THREADS_VAR}={given} is more than the {MAX_THREADS} threads lmcli runs; using {MAX_THREADS}"
-            requested = MAX_THREADS
+        elif count > machine.host_cpus:  # torch itself runs no more from the variable: say what runs
+            note = (f"note: {THREADS_VAR}={given} is more than this machine's {machine.host_cpus} CPUs, which torch "
+                    f"caps it at; using {machine.host_cpus}")
+            requested = machine.host_cpus
     if requested is not None:
         threads: int | None = requested
         why = "--threads" if note is None else f"{THREADS_VAR}={users[THREADS_VAR]} from the environment, " \
-                                               f"brought down to {MAX_THREADS}"
+                                               f"brought down to the CPUs"
     elif THREADS_VAR in users:
         threads = _whole_number(users[THREADS_VAR].split(",")[0].strip())
         why = f"{THREADS_VAR}={users[THREADS_VAR]} from the environment"

@@ -199,7 +199,7 @@ def test_job_rows_the_engine_or_the_vocabulary_refuse_are_error_rows(smollm2_ggu
     result = cli("generate", "-c", smollm2_gguf, "--input", source, "-o", out)
     assert result.exit_code == 1, result.output
     by_id = {row["id"]: row for row in map(json.loads, out.read_text().splitlines())}
-    assert "no token of this model's vocabulary can start it" in by_id["impossible"]["error"], by_id
+    assert "no text at all can satisfy it" in by_id["impossible"]["error"], by_id
     assert "too many" in by_id["limits"]["error"], by_id
     assert "error" not in by_id["free"] and by_id["free"]["finish_reason"] == "length", by_id
 

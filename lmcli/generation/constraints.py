@@ -240,7 +240,10 @@ def engine_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLToke
         built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, pieces)),
                                        n_vocab=vocab_size, eos_token=eos)
     else:
-        built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        except ValueError as exc:  # a decoder the engine cannot read (e.g. Metaspace without byte fallback)
+            raise ConstraintError(f"this model's tokenizer cannot be used with a constraint: {_one_line(str(exc))}") from None
     _TOKENIZERS[key] = (tokenizer, built)
     return built
 
