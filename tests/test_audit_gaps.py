@@ -154,26 +154,28 @@ def test_speculation_where_prompt_and_new_tokens_fill_the_context_exactly(tiny_m
 
 
 def test_each_rows_speculation_counts_are_its_own_in_a_batched_job_with_early_stops(tiny_checkpoint, tmp_path):
-    """Rows that stop early (a small max_new_tokens, a stop string) beside rows that run on: each row's
-    recorded counts in a batch of 4 equal the same row's in a job of batch 1 (its text too)."""
-    rows = [{"id": i, "prompt": prompt, "max_new_tokens": n, **extra}
-            for i, (prompt, n, extra) in enumerate([
-                ("one two one two one two", 3, {}), ("the quick the quick the", 24, {}),
-                ("a b a b a b a", 16, {"stop": ["e"]}), ("hello hello hello", 2, {}),
-                ("the the the the", 20, {}), ("fox fox fox", 9, {})])]
+    """Quantized weights (batch-invariant), prompt lookup and one length: the rows of a batch of 4 share
+    their passes (speculative_batch.py). A bias towards end-of-text makes some stop early beside rows
+    that run to the limit. Each row's recorded counts, and its text, equal the same row's in a job of
+    batch 1, where no row shares anything."""
+    prompts = ["one two one two one two", "the quick the quick the", "a b a b a b a", "hello hello hello",
+               "the the the the", "fox fox fox", "over the lazy dog over", "hi there hi there"]
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    source.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(prompts)))
     results = {}
     for batch in (4, 1):
         out = tmp_path / f"out{batch}.jsonl"
-        result = cli("generate", "-c", tiny_checkpoint, "--greedy", "--prompt-lookup", "--batch-size", batch,
-                     "--input", source, "-o", out)
+        result = cli("generate", "-c", tiny_checkpoint, "-q", "int8", "--greedy", "--prompt-lookup", "-n", 24,
+                     "--logit-bias", "1=2.5", "--batch-size", batch, "--input", source, "-o", out)
         assert result.exit_code == 0, result.output
-        results[batch] = {row["id"]: (row["completion"], row["finish_reason"], row["speculation"]) for row in rows_of(out)}
+        results[batch] = {row["id"]: (row["completion"], row["finish_reason"], row["completion_tokens"],
+                                      row["speculation"]) for row in rows_of(out)}
     assert results[4] == results[1]
-    assert any(counts.get("drafted") for _, _, counts in results[1].values())  # the lookup did guess
-    for *_, counts in results[1].values():
-        assert counts["accepted"] <= counts["drafted"]
+    first_four = [results[1][i] for i in range(4)]  # one batch of the batched job
+    assert {reason for _, reason, _, _ in first_four} == {"eos", "length"}  # early stops beside full rows
+    assert any(counts["drafted"] for *_, counts in results[1].values())  # the lookup did guess
+    for _, _, tokens, counts in results[1].values():
+        assert counts["accepted"] <= counts["drafted"] and counts["passes"] + counts["accepted"] == tokens
 
 
 # --- torch's thread count in threads started later -------------------------------------------------
