@@ -27,13 +27,15 @@ from typer.testing import CliRunner
 
 from lmcli.cli import app
 from lmcli.generation.constraints import Constraint, ConstraintError, ConstraintMask
-from lmcli.io.bounded import MAX_JSON_DEPTH, MAX_ROW_DEPTH, text_deeper_than, value_deeper_than
 
 # The issue's repro: without "additionalProperties": false the default model adds keys until the limit.
 CITY = {"type": "object", "required": ["city", "capital"],
         "properties": {"city": {"type": "string"}, "population": {"type": "integer"}, "capital": {"type": "boolean"}}}
 CLOSED_CITY = {**CITY, "additionalProperties": False}
 PROMPT = "The capital of France is"
+# lmcli.io.bounded's limits, written out so this module imports on a checkout without them (the test of
+# each defect then fails there one by one, rather than the whole module at import).
+MAX_JSON_DEPTH, MAX_ROW_DEPTH = 100, 110
 
 
 def cli(*args):
@@ -164,6 +166,10 @@ def test_a_fifo_is_read_with_the_same_bound(flag, tmp_path):
 def test_the_depth_scanner_agrees_with_a_recursive_count():
     """text_deeper_than (no parse, no recursion) and value_deeper_than against `depth` on random JSON,
     strings full of brackets included."""
+    from lmcli.io import bounded
+    from lmcli.io.bounded import text_deeper_than, value_deeper_than
+
+    assert (bounded.MAX_JSON_DEPTH, bounded.MAX_ROW_DEPTH) == (MAX_JSON_DEPTH, MAX_ROW_DEPTH)
     rng = random.Random(0)
 
     def value(level: int):
@@ -181,6 +187,7 @@ def test_the_depth_scanner_agrees_with_a_recursive_count():
             assert text_deeper_than(text, limit) == (depth(item) > limit), (text, limit)
             assert value_deeper_than(item, limit) == (depth(item) > limit), (text, limit)
     assert text_deeper_than("[" * 100_000 + "]" * 100_000, MAX_ROW_DEPTH)
+    assert not value_deeper_than(json.loads("[" * 100 + "]" * 100), MAX_JSON_DEPTH)
 
 
 def test_a_schema_at_the_depth_limit_works_and_one_level_more_is_one_error():
