@@ -151,7 +151,7 @@ def test_stop_string_streams_its_final_text(smollm2_gguf, tmp_path):
     the same streamed as written, and the row says "stop" (its text is cut, so not claimed valid)."""
     flags = ("-c", smollm2_gguf, "--chat", "--seed", "3", "--json-schema", json.dumps(PERSON), "--stop", '"role"')
     streamed = cli("generate", *flags, "Describe a person.")
-    assert streamed.exit_code == 0, streamed.output
+    assert streamed.exit_code == 3 and "a --stop string" in streamed.stderr, streamed.output  # cut: not valid
     [line] = cli("generate", *flags, "--format", "jsonl", "Describe a person.").stdout.splitlines()
     result = json.loads(line)
     assert result["finish_reason"] == "stop", result
@@ -174,7 +174,7 @@ def test_regex_and_grammar_flags_on_the_default_model(smollm2_gguf, tmp_path, ki
 def test_a_row_cut_by_the_token_limit_says_length(smollm2_gguf):
     result = cli("generate", "-c", smollm2_gguf, "--chat", "--greedy", "-n", "6", "--json-schema", json.dumps(PERSON),
                  "--format", "jsonl", "Describe a person.")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3 and "-n 6" in result.stderr, result.output  # the row is written, and said to be cut
     row = json.loads(result.stdout)
     assert row["finish_reason"] == "length" and row["completion_tokens"] == 6 and "error" not in row, row
     with pytest.raises(json.JSONDecodeError):

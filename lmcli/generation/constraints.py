@@ -19,9 +19,9 @@ alone. The end-of-text token is allowed only where the row's grammar accepts.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from lmcli.errors import LmcliError
@@ -152,13 +152,19 @@ def constraint_from_setting(kind: str, value: str) -> Constraint | None:
 def read_source(kind: str, value: str) -> Any:
     """A flag's value as Constraint.parse takes it: --json-schema is inline JSON (starting with "{") or a
     file, --grammar a file; --regex is the pattern itself."""
-    from lmcli.io.bounded import read_bounded
-
     name = FLAGS[kind]
     if kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{")):
         return value
-    # Bounded whatever the file is: a device (/dev/zero) or a FIFO says nothing by its size.
-    data = read_bounded(Path(value), MAX_SOURCE_BYTES, ConstraintError, name)
+    try:
+        with open(value, "rb") as file:
+            if os.fstat(file.fileno()).st_size > MAX_SOURCE_BYTES:
+                raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
+            # Bounded whatever the file is: a device (/dev/zero) or a FIFO says nothing by its size.
+            data = file.read(MAX_SOURCE_BYTES + 1)
+    except OSError as exc:
+        raise ConstraintError(f"{name} {value}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ConstraintError(f"{name} {value}: more than the {MAX_SOURCE_BYTES >> 20} MiB lmcli reads")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
