@@ -112,6 +112,7 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         raise LmcliError(result.error)
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
+    if stats:
         print_dim(decode_steps(model))
     cut = incomplete_output(result, tokenizer, model.config)
     if cut is not None:

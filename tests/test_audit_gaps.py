@@ -37,8 +37,7 @@ def rows_of(path):
 
 def test_the_default_model_is_recorded_by_its_registry_name_and_resumes_under_it(smollm2_gguf, tmp_path):
     """A job on the default model records "smollm2-135m" (what `lmcli pull` and `-m` call it), not its
-    file's name; its resume by that name, or by the file itself, is the same model; an OpenAI response
-    names it so too."""
+    file's name; its resume by that name is the same model; an OpenAI response names it so too."""
     source = tmp_path / "in.jsonl"
     source.write_text('{"id": 1, "prompt": "Hi"}\n{"id": 2, "prompt": "Hello"}\n')
     out = tmp_path / "out.jsonl"
@@ -46,11 +45,10 @@ def test_the_default_model_is_recorded_by_its_registry_name_and_resumes_under_it
     first = rows_of(out)
     assert {row["model"]["name"] for row in first} == {"smollm2-135m"}
     assert all(row["model"]["name"] != smollm2_gguf.name for row in first)
-    for resumed_with in (("-m", "smollm2-135m"), ("-c", smollm2_gguf)):
-        out.write_text(json.dumps(first[0]) + "\n")
-        result = cli("generate", *resumed_with, "--greedy", "-n", 2, "--input", source, "-o", out, "--resume")
-        assert result.exit_code == 0 and "1 already done" in result.stderr, result.output
-        assert rows_of(out)[1]["model"]["fingerprint"] == first[0]["model"]["fingerprint"]
+    out.write_text(json.dumps(first[0]) + "\n")
+    result = cli("generate", "-m", "smollm2-135m", "--greedy", "-n", 2, "--input", source, "-o", out, "--resume")
+    assert result.exit_code == 0 and "1 already done" in result.stderr, result.output
+    assert rows_of(out)[1]["model"] == first[0]["model"]
     requests = tmp_path / "openai.jsonl"
     requests.write_text(json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "Hi", "max_tokens": 2}}) + "\n")
     answers = tmp_path / "answers.jsonl"
