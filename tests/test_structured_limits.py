@@ -226,6 +226,12 @@ def test_a_deep_schema_or_stop_list_in_chat_is_an_error_the_session_survives(tmp
     with pytest.raises(ChatError, match="cannot read"):
         session.set_setting("stop", "[" * 5000 + "]" * 5000)
     assert session.settings.constraint is None and session.settings.stop == ()
+    from lmcli.chat_session import load_transcript
+
+    transcript = tmp_path / "deep-transcript.json"  # what `lmcli chat --resume` reads
+    transcript.write_text('{"format": "lmcli-chat", "messages": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ChatError, match=f"nest more than {MAX_ROW_DEPTH} levels deep"):
+        load_transcript(transcript)
 
 
 def test_deep_rows_are_error_rows_and_the_good_rows_run(tiny_checkpoint, tmp_path):
