@@ -372,3 +372,14 @@ def test_a_oneof_error_names_an_option_lmcli_takes_and_the_option_works():
     assert "Enable" not in message  # the engine's own wording names a Rust option, not a schema key
     Constraint.parse("json_schema", {**overlapping, "x-guidance": {"coerce_one_of": True}})
     Constraint.parse("json_schema", {"anyOf": overlapping["oneOf"]})
+
+
+def test_a_chat_reply_a_limit_cuts_is_said_and_the_chat_goes_on(tiny_checkpoint):
+    """In `lmcli chat` the cut reply is shown as it came, with one warning line per reply; the session
+    goes on to the next message (exit 0: a conversation is not one output)."""
+    result = CliRunner().invoke(app, ["chat", "-c", str(tiny_checkpoint), "--greedy", "--regex", "[a-z ]{4000}",
+                                      "-n", "5"], input="Hi\nHello\n")
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == ["warning: the output stopped at -n 5 before its regular expression (--regex) was complete, "
+                        "so it is not valid: raise -n"] * 2, result.stderr
