@@ -221,6 +221,12 @@ class ChatRepl:
                       f" {turn.dropped_messages} messages{' (the system message is kept)' if self.session.system else ''}"
                       " and recomputed the rest", style="yellow")
         view.end(turn.reply, turn.interrupted)
+        if not turn.interrupted:  # a structured reply a limit cut: said, as `generate` says it (exit 3 there)
+            from lmcli.runs import incomplete_output
+
+            cut = incomplete_output(turn.result, self.session.tokenizer, self.session.model.config)
+            if cut is not None:
+                self.note(f"warning: {cut}", style="yellow")
         if self.options.stats:
             self.note(_turn_summary(turn))
             speculator = getattr(self.session.model, "speculator", None)  # lmcli.speculation: the chat's totals

@@ -298,10 +298,13 @@ def check_messages(messages: Any, where: str) -> list[dict]:
 
 def load_transcript(path: Path) -> dict:
     """A transcript written by /save; raises ChatError naming the file and what is wrong."""
-    from lmcli.io.bounded import MAX_TRANSCRIPT, read_bounded
+    from lmcli.io.bounded import MAX_ROW_DEPTH, MAX_TRANSCRIPT, read_bounded, text_deeper_than
 
     try:
-        data = json.loads(read_bounded(path, MAX_TRANSCRIPT, ChatError).decode("utf-8"))
+        text = read_bounded(path, MAX_TRANSCRIPT, ChatError).decode("utf-8")
+        if text_deeper_than(text, MAX_ROW_DEPTH):  # before json.loads, which recurses a frame a level
+            raise ValueError(f"arrays and objects nest more than {MAX_ROW_DEPTH} levels deep")
+        data = json.loads(text)
     except (ValueError, UnicodeDecodeError) as e:
         raise ChatError(f"{path}: not a JSON transcript ({e})") from None
     if not isinstance(data, dict) or data.get("format") != TRANSCRIPT_FORMAT:
@@ -345,6 +348,10 @@ def _parse_setting(name: str, type_name: str, value: str) -> Any:
             # One string (\n for a newline), or a JSON list of strings; "none" for none.
             if value.lower() in ("none", "off", ""):
                 return ()
+            from lmcli.io.bounded import MAX_JSON_DEPTH, text_deeper_than
+
+            if text_deeper_than(value, MAX_JSON_DEPTH):  # json.loads would recurse into a RecursionError
+                raise ValueError(value)
             items = json.loads(value) if value.startswith("[") else [unescape_line(value)]
             if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
                 raise ValueError(value)

@@ -9,8 +9,8 @@ module is what the settings (GenerationSettings, job rows) hold and check, so it
 from __future__ import annotations
 
 import json
+import os
 import re
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from lmcli.errors import LmcliError
@@ -51,6 +51,14 @@ class ConstraintError(LmcliError):
     exit_code = 2
 
 
+class IncompleteOutput(LmcliError):
+    """A single run's structured output that a limit (the token limit, the context, a stop string) cut
+    before its constraint was complete: the text was written, but it is not valid. Exit 3, so that a
+    script can tell it from a failed run (1) and retry with a larger -n."""
+
+    exit_code = 3
+
+
 class Constraint(NamedTuple):
     """One row's constraint: its kind, its source as given (schema JSON, pattern, grammar text) and the
     engine's grammar compiled from it (checked, with no tokenizer yet). A plain tuple, so settings that
@@ -67,26 +75,29 @@ class Constraint(NamedTuple):
         import llguidance
 
         name = name or FLAGS.get(kind, kind)
-        if kind == "json_schema":
-            schema = _schema_value(value, name)
-            _check_keywords(schema, name)
-            source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
-        elif kind == "json":
-            if value is not True:
-                raise ConstraintError(f"{name} must be true (any JSON object), got {value!r}")
-            source = '{"type": "object"}'
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
-        elif kind in ("regex", "grammar"):
-            if not isinstance(value, str) or not value:
-                raise ConstraintError(f"{name} must be a non-empty string")
-            source = value
-            if kind == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(value)
+        try:
+            if kind == "json_schema":
+                schema = _schema_value(value, name)
+                _check_keywords(schema, name)
+                source = json.dumps(schema, ensure_ascii=False)  # key order kept: properties are generated in it
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            elif kind == "json":
+                if value is not True:
+                    raise ConstraintError(f"{name} must be true (any JSON object), got {value!r}")
+                source = '{"type": "object"}'
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(source, defaults=_JSON_OPTIONS)  # type: ignore[arg-type]
+            elif kind in ("regex", "grammar"):
+                if not isinstance(value, str) or not value:
+                    raise ConstraintError(f"{name} must be a non-empty string")
+                source = value
+                if kind == "regex":
+                    grammar = llguidance.LLMatcher.grammar_from_regex(value)
+                else:
+                    grammar = llguidance.LLMatcher.grammar_from_lark(value)
             else:
-                grammar = llguidance.LLMatcher.grammar_from_lark(value)
-        else:
-            raise ConstraintError(f"unknown constraint {kind!r} (expected one of {', '.join(KINDS)})")
+                raise ConstraintError(f"unknown constraint {kind!r} (expected one of {', '.join(KINDS)})")
+        except ValueError as exc:  # the engine refusing what it was given (its own limits, a bad value)
+            raise ConstraintError(f"{name}: {_one_line(str(exc))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             raise ConstraintError(f"{name}: {_one_line(messages[0])}")
@@ -124,18 +135,30 @@ def read_source(kind: str, value: str) -> Any:
     name = FLAGS[kind]
     if kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{")):
         return value
-    path = Path(value)
     try:
-        if path.stat().st_size > MAX_SOURCE_BYTES:
-            raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-        raise ConstraintError(f"{name} {value}: {reason}") from None
-    return text
+        with open(value, "rb") as file:
+            if os.fstat(file.fileno()).st_size > MAX_SOURCE_BYTES:
+                raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
+            # Bounded whatever the file is: a device (/dev/zero) or a FIFO says nothing by its size.
+            data = file.read(MAX_SOURCE_BYTES + 1)
+    except OSError as exc:
+        raise ConstraintError(f"{name} {value}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SOURCE_BYTES:
+        raise ConstraintError(f"{name} {value}: more than the {MAX_SOURCE_BYTES >> 20} MiB lmcli reads")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConstraintError(f"{name} {value}: not UTF-8 text") from None
 
 
 def _schema_value(value: Any, name: str) -> dict:
+    """The schema as a dict, its depth checked before anything walks it (json.loads, the keyword check
+    and json.dumps all recurse, one level a frame)."""
+    from lmcli.io.bounded import MAX_JSON_DEPTH, text_deeper_than, value_deeper_than
+
+    deep = text_deeper_than(value, MAX_JSON_DEPTH) if isinstance(value, str) else value_deeper_than(value, MAX_JSON_DEPTH)
+    if deep:
+        raise ConstraintError(f"{name}: the schema nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -167,6 +190,9 @@ def _check_keywords(schema: Any, name: str, where: str = "") -> None:
 def _one_line(message: str) -> str:
     if message.startswith("Unimplemented keys: "):  # the engine's list of schema keywords it lacks
         return f"unsupported schema keyword(s) {message.removeprefix('Unimplemented keys: ')}"
+    if message.startswith("oneOf constraints are not supported"):  # it names an engine option, not lmcli's
+        return ('"oneOf" whose branches can overlap is not supported (the engine cannot ensure that exactly one '
+                'matches): use "anyOf", or add "x-guidance": {"coerce_one_of": true} to the schema to treat it so')
     lines = [line.strip() for line in message.strip().splitlines() if line.strip() and line.strip() != "<non-verbose/>"]
     # The engine's regex errors span lines ("regex parse error:", the pattern, a caret, "error: ...").
     detail = next((line for line in lines if line.startswith("error:")), None)

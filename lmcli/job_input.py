@@ -91,8 +91,13 @@ def _parse_rows(path: Path, settings: GenerationSettings) -> Iterator[JobRow]:
     def lines() -> Iterator[tuple[int, bytes]]:
         return _lines(path)
 
+    from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
+
+    def decides(raw: bytes) -> bool:  # the first row that can be read decides the format (a too deep one cannot)
+        return bool(raw.strip()) and not text_deeper_than(raw.decode("utf-8", "replace"), MAX_ROW_DEPTH)
+
     parse = _parse_jsonl_line if str(path).endswith(".jsonl") else _text_line_parser(settings)
-    if parse is _parse_jsonl_line and is_openai_file(next((raw for _, raw in lines() if raw.strip()), b"")):
+    if parse is _parse_jsonl_line and is_openai_file(next((raw for _, raw in lines() if decides(raw)), b"")):
         parse = _parse_openai_line
     for number, raw in lines():
         if not raw.strip():
@@ -147,6 +152,8 @@ def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> J
         prompt = obj.get("prompt")
         if not isinstance(prompt, str):
             raise RowError('"prompt" is missing' if prompt is None else '"prompt" must be a string')
+        if not prompt:  # as on the command line: an empty prompt is refused, not run from BOS alone
+            raise RowError('"prompt" is empty')
         row_settings = settings.for_row(obj)
     except RowError as e:
         return _bad_row(number, row_id, str(e), text, settings, prompt=obj.get("prompt"))
@@ -156,8 +163,11 @@ def _parse_jsonl_line(number: int, text: str, settings: GenerationSettings) -> J
 def is_openai_file(data: bytes) -> bool:
     """Whether a .jsonl file holds OpenAI batch requests: decided by its first row."""
     from lmcli import openai_batch
+    from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
 
-    first = next((line for line in data.split(b"\n") if line.strip()), b"")
+    first = next((line for line in data.split(b"\n") if line.strip()), b"").decode("utf-8", "replace")
+    if text_deeper_than(first, MAX_ROW_DEPTH):  # json.loads would recurse past Python's limit
+        return False
     try:
         return openai_batch.is_request(json.loads(first))
     except ValueError:
@@ -186,7 +196,13 @@ def _parse_openai_line(number: int, text: str, settings: GenerationSettings) -> 
 
 
 def _decode(number: int, text: str, settings: GenerationSettings, url: str | None = None) -> tuple[Any, JobRow | None]:
-    """A line's JSON value, or the error row that says why it has none."""
+    """A line's JSON value, or the error row that says why it has none. Its depth is checked first:
+    json.loads recurses a frame a level, and a RecursionError would end the whole job."""
+    from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
+
+    if text_deeper_than(text, MAX_ROW_DEPTH):
+        return None, _bad_row(number, number, f"arrays and objects nest more than {MAX_ROW_DEPTH} levels deep",
+                              text, settings, url=url)
     try:
         return json.loads(text), None
     except json.JSONDecodeError as e:

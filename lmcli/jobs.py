@@ -75,6 +75,7 @@ from lmcli.generation.rows import (
     require_chat_template,
     truncation_warning,
 )
+from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
 from lmcli.io.output_lock import close_output, holding_output_lock
 from lmcli.job_input import JobRow, JobRows, id_key
 from lmcli.job_input import read_rows as read_rows  # lmcli.distributed reads the input so
@@ -194,6 +195,8 @@ def read_finished(path: Path) -> dict[str, dict]:
             dropped.append(number)
             continue
         try:
+            if text_deeper_than(raw.decode("utf-8", "replace"), MAX_ROW_DEPTH):  # lmcli writes none so deep
+                raise ValueError("too deep for json.loads")
             row = json.loads(raw)
             key, failed, record = output_row_key(row)
         except (ValueError, KeyError, TypeError, AttributeError):

@@ -17,6 +17,7 @@ that row an error row instead of being dropped silently.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from typing import Any
 
@@ -115,22 +116,40 @@ def parse_body(url: str, body: dict, *, served: bool = False) -> tuple[str | lis
     return prompt, overrides, logprobs
 
 
+# What each "type" of response_format may hold beside it; any other key is refused, never dropped (a
+# "schema" beside json_object would otherwise run the row without the schema its caller set).
+RESPONSE_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}
+JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
 def _response_format(value: Any) -> dict:
     """The lmcli row fields a body's "response_format" stands for: {"json": true} for json_object, the
     schema for json_schema (enforced whether or not "strict" is set), nothing for text."""
+    if value is None:
+        return {}
     kind = value.get("type") if isinstance(value, dict) else None
-    if value is None or kind == "text":
+    if not isinstance(kind, str) or kind not in RESPONSE_FORMAT_KEYS:
+        shown = "no \"type\"" if kind is None else f'"type": {json.dumps(kind)}'
+        raise RowError('body field "response_format" must be an object with "type": "text", "json_object" or '
+                       f'"json_schema" (it has {shown})')
+    for key in value:
+        if key not in RESPONSE_FORMAT_KEYS[kind]:
+            raise RowError(f'body field "response_format" has "{key}", which "type": "{kind}" does not take '
+                           f'(it takes {", ".join(RESPONSE_FORMAT_KEYS[kind])})')
+    if kind == "text":
         return {}
     if kind == "json_object":
         return {"json": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise RowError('body field "response_format": "json_schema" must be {"name", "schema": {...}, "strict"}')
-        if not isinstance(spec.get("strict", True), bool):
-            raise RowError('body field "response_format": "strict" must be true or false')
-        return {"json_schema": spec["schema"]}
-    raise RowError('body field "response_format" must have "type": "text", "json_object" or "json_schema"')
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        raise RowError('body field "response_format": "json_schema" must be {"name", "schema": {...}, "strict"}')
+    for key in spec:
+        if key not in JSON_SCHEMA_KEYS:
+            raise RowError(f'body field "response_format": "json_schema" has "{key}", which lmcli does not know '
+                           f'(it takes {", ".join(JSON_SCHEMA_KEYS)})')
+    if not isinstance(spec.get("strict", True), bool):
+        raise RowError('body field "response_format": "strict" must be true or false')
+    return {"json_schema": spec["schema"]}
 
 
 def in_body_terms(message: str, obj: Any) -> str:
@@ -139,8 +158,10 @@ def in_body_terms(message: str, obj: Any) -> str:
     for body_key, row_key in SETTINGS_FIELDS.items():
         if isinstance(body, dict) and body_key in body:
             message = message.replace(f'"{row_key}"', f'body field "{body_key}"')
-    if isinstance(body, dict) and "response_format" in body:
-        message = message.replace('"json_schema"', 'body field "response_format"').replace('"json"', 'body field "response_format"')
+    if isinstance(body, dict) and "response_format" in body:  # a schema's error, named by its row field
+        for row_key in ('"json_schema"', '"json"'):
+            if message.startswith(row_key):
+                message = 'body field "response_format"' + message.removeprefix(row_key)
     return message
 
 
@@ -155,6 +176,8 @@ def _prompt(value: Any) -> str:
         value = value[0]  # a batch of one prompt
     if not isinstance(value, str):
         raise RowError('body field "prompt" must be a string' if value is not None else 'body field "prompt" is missing')
+    if not value:  # as on the command line and in lmcli rows
+        raise RowError('body field "prompt" is empty')
     return value
 
 

@@ -112,6 +112,58 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         raise LmcliError(result.error)
     if stats or (terminal and output is not None):
         print_dim(row_summary(result))
+    if stats:
+        print_dim(decode_steps(model))
+    cut = incomplete_output(result, tokenizer, model.config)
+    if cut is not None:
+        raise cut
+
+
+def incomplete_output(result, tokenizer, config) -> LmcliError | None:
+    """The error for a constrained row that a limit ended before its constraint was complete (its text was
+    written, but it is not valid), naming the limit; None when the row is complete or has no constraint."""
+    from lmcli.generation.constraints import FLAGS, IncompleteOutput, satisfied, satisfied_by_text
+    from lmcli.settings import DEFAULT, FLAG
+
+    settings = result.row.settings
+    constraint = settings.constraint
+    if constraint is None or result.finish_reason == "eos":  # end-of-text comes only where the text is complete
+        return None
+    if result.finish_reason == "stop":
+        if satisfied_by_text(tokenizer, constraint, config.vocab_size, result.text.text):
+            return None
+        limit, advice = "a --stop string", "drop the --stop string"
+    else:
+        if satisfied(tokenizer, constraint, config.vocab_size, result.tokens):
+            return None
+        if len(result.tokens) < settings.max_new_tokens:  # generate() stopped first: the context is full
+            limit = f"the end of the model's context ({config.max_position_embeddings} tokens)"
+            advice = "shorten the prompt"
+        else:
+            given = settings.source("max_new_tokens")
+            origin = "lmcli's default with a constraint" if given == DEFAULT else f"from {given}"
+            limit = (f"-n {settings.max_new_tokens}" if given == FLAG else
+                     f"the token limit of {settings.max_new_tokens} ({origin}; set one with -n)")
+            advice = "raise -n"
+    what = {"json_schema": "JSON Schema", "json": "JSON object", "regex": "regular expression",
+            "grammar": "grammar"}[constraint.kind]
+    bound = ', or bound the schema (maxLength, maxItems, "additionalProperties": false)' if constraint.kind == "json_schema" else ""
+    return IncompleteOutput(f"the output stopped at {limit} before its {what} ({FLAGS[constraint.kind]}) was complete, "
+                            f"so it is not valid: {advice}{bound}")
+
+
+def decode_steps(model) -> str:
+    """Which step decoded the tokens (--stats): a compiled program, or eager PyTorch."""
+    step = getattr(model, "_compiled_decode", None)  # BaseModel.compile_decode's choice (None: eager)
+    if step is None:
+        return "decode step: eager"
+    runners = getattr(step, "runners", None)  # models/compiled_step.CachedDecode: a program per batch size
+    if runners is None:
+        return "decode step: torch.compile"
+    ran = sorted(batch for batch in runners if batch not in step.eager)
+    if not ran:
+        return "decode step: eager (no compiled program for this model and batch in the cache; --compile builds one)"
+    return f"decode step: compiled program (batch {', '.join(map(str, ran))})"
 
 
 def run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:

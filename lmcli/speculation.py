@@ -42,6 +42,14 @@ def from_flags(prompt_lookup: bool, draft_model: str | None, num_draft_tokens: i
         raise UsageError(e.message_for(lambda name: FLAG_NAMES.get(name, name))) from None
     if draft_quantize is not None and draft_model is None:
         raise UsageError("--draft-quantize needs --draft-model")
+    if draft_model is not None:  # found and checked now, before the main model takes its time to load
+        from lmcli.errors import CheckpointError, ConfigError
+        from lmcli.model_ref import resolve_model
+
+        try:
+            resolve_model(draft_model)
+        except (CheckpointError, ConfigError) as exc:
+            raise UsageError(f"--draft-model {exc}") from None
     from lmcli.generation.speculative import DEFAULT_DRAFT_TOKENS, check_num_draft_tokens
 
     try:

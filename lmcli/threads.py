@@ -105,6 +105,7 @@ class Choice:
     why: str
     env: dict[str, str] = field(default_factory=dict)  # what lmcli sets before torch loads
     follows_load: bool = False  # lmcli chose the count alone: recheck() may move it with the load
+    note: str | None = None  # one line for stderr: the user's OMP_NUM_THREADS was not taken as it was
 
     def describe(self) -> str:
         count = "torch's default threads" if self.threads is None else \
@@ -135,11 +136,25 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
         return Choice(torch_threads, wait, "torch was loaded before lmcli chose; its settings are the program's")
     env_out: dict[str, str] = {}
     busy = machine.busy_elsewhere()
+    note = None
+    if requested is None and THREADS_VAR in users:
+        # libgomp takes a list ("4,2": nested levels); the first is torch's. Anything else is no count:
+        # lmcli chooses instead, and sets the variable itself so libgomp never reads (and warns about) it.
+        given = users[THREADS_VAR]
+        count = _whole_number(given.split(",")[0].strip())
+        if count is None:
+            note = f"note: {THREADS_VAR}={given!r} is not a number of threads; lmcli chooses the count"
+            users = {name: value for name, value in users.items() if name != THREADS_VAR}
+        elif count > machine.host_cpus:  # torch itself runs no more from the variable: say what runs
+            note = (f"note: {THREADS_VAR}={given} is more than this machine's {machine.host_cpus} CPUs, which torch "
+                    f"caps it at; using {machine.host_cpus}")
+            requested = machine.host_cpus
     if requested is not None:
         threads: int | None = requested
-        why = "--threads"
+        why = "--threads" if note is None else f"{THREADS_VAR}={users[THREADS_VAR]} from the environment, " \
+                                               f"brought down to the CPUs"
     elif THREADS_VAR in users:
-        threads = _whole_number(users[THREADS_VAR].split(",")[0])
+        threads = _whole_number(users[THREADS_VAR].split(",")[0].strip())
         why = f"{THREADS_VAR}={users[THREADS_VAR]} from the environment"
     else:
         if machine.local_ranks > 1:
@@ -163,7 +178,7 @@ def choose(machine: Machine, env: Mapping[str, str], requested: int | None = Non
         # No more threads than free cores (re-checked while generating): libgomp's spin-then-sleep decodes
         # the default model 1.6-2x faster than sleeping at once (tools/thread_settings.py).
         wait = _wait_text({})
-    return Choice(threads, wait, why, env_out, follows_load)
+    return Choice(threads, wait, why, env_out, follows_load, note)
 
 
 def threads_for_window(cpus: int, threads: int, others: float) -> int:
@@ -306,6 +321,8 @@ def configure(requested: int | None = None, env: MutableMapping[str, str] = os.e
         if requested is not None:
             torch.set_num_threads(requested)
     else:
+        if choice.note is not None:
+            sys.stderr.write(choice.note + "\n")
         ours = {name for name in env.get(SET_BY_LMCLI_VAR, "").split(",") if name}
         for name in ours - set(choice.env):  # an earlier choice of lmcli's that this one does not make
             env.pop(name, None)

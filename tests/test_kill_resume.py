@@ -14,6 +14,7 @@ from cli_fixtures import subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
 from lmcli.cli import app
+from lmcli.io.output_lock import lock_path
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,6 +66,7 @@ def test_sigkill_at_several_moments_then_resume(tiny_checkpoint, tmp_path):
     kill_when(job, lambda: lines_in(out) >= 3, "three rows were written")
     done_before = lines_in(out)
     assert 3 <= done_before < rows
+    assert lock_path(out).exists()  # left by the kill: harmless (the flock went with the process)
 
     # 3. While a row is being written: the kill left a partial line (a duplicate of a finished row's id too).
     first = json.loads(out.read_text(encoding="utf-8").splitlines()[0])
@@ -74,9 +76,11 @@ def test_sigkill_at_several_moments_then_resume(tiny_checkpoint, tmp_path):
     result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(out), "--resume", "--batch-size", "3"])
     assert result.exit_code == 0, result.stderr
     assert f"{done_before} already done" in result.stderr
+    assert not lock_path(out).exists()  # the resume took the stale lock file and removed it at its end
 
     result = CliRunner().invoke(app, ["generate", *map(str, flags), "--output", str(reference), "--batch-size", "8"])
     assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in reference.parent.iterdir() if p.name.endswith(".lock")) == []  # a clean end leaves none
     resumed = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     fresh = [json.loads(line) for line in reference.read_text(encoding="utf-8").splitlines()]
     key = lambda row: json.dumps(row["id"])  # noqa: E731 (7 and "7" are different ids)

@@ -182,9 +182,9 @@ def test_two_constraints_at_once_are_refused():
     assert one_constraint({"json": False, "regex": None}) is None
 
 
-def test_constraint_no_token_can_start(smol):
+def test_constraint_nothing_can_satisfy(smol):
     model, tokenizer = smol
-    with pytest.raises(ConstraintError, match="no token of this model's vocabulary can start it"):
+    with pytest.raises(ConstraintError, match="no text at all can satisfy it"):
         ConstraintMask(tokenizer, [Constraint.parse("regex", r"[^\x00-\U0010FFFF]")], model.config.vocab_size)
 
 

@@ -29,6 +29,7 @@ from lmcli.constraint import (
     MAX_SOURCE_BYTES,
     Constraint,
     ConstraintError,
+    IncompleteOutput,
     _one_line,
     constraint_from_setting,
     one_constraint,
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 # The constraint as a setting lives below the settings (lmcli/constraint.py); re-exported here.
 __all__ = [
     "CONSTRAINED_MAX_NEW_TOKENS", "FLAGS", "KINDS", "MAX_SOURCE_BYTES", "Constraint", "ConstraintError",
-    "ConstraintMask", "constraint_from_setting", "engine_tokenizer", "one_constraint", "read_source",
+    "ConstraintMask", "IncompleteOutput", "constraint_from_setting", "engine_tokenizer", "one_constraint", "read_source",
     "token_bytes",
 ]
 
@@ -76,7 +77,10 @@ def engine_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLToke
         built = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer, pieces)),
                                        n_vocab=vocab_size, eos_token=eos)
     else:
-        built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:
+            built = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
+        except ValueError as exc:  # a decoder the engine cannot read (e.g. Metaspace without byte fallback)
+            raise ConstraintError(f"this model's tokenizer cannot be used with a constraint: {_one_line(str(exc))}") from None
     _TOKENIZERS[key] = (tokenizer, built)
     return built
 
@@ -176,6 +180,9 @@ class ConstraintMask:
             if not matcher.is_error() and (matcher.is_accepting() or any(i not in self.eos_ids for i in first)):
                 return matcher
         if not matcher.is_error() or matcher.get_error().split()[0] in ("NoExtension", "NoExtensionBias"):
+            if _matches_nothing(constraint.grammar):
+                hint = ' (a "$ref" that leads only back to itself?)' if '"$ref"' in constraint.source else ""
+                raise ConstraintError(f"{name}: no text at all can satisfy it{hint}")
             raise ConstraintError(f"{name}: no token of this model's vocabulary can start it")
         raise ConstraintError(f"{name}: {_one_line(matcher.get_error())}")  # e.g. past the engine's limits
 
@@ -297,6 +304,44 @@ class ConstraintMask:
         if matcher is None or not matcher.is_error():
             return None
         return f"{self.names[row]}: {_one_line(matcher.get_error())}"
+
+
+def satisfied(tokenizer: Tokenizer, constraint: Constraint, vocab_size: int, tokens: Sequence[int]) -> bool:
+    """Whether the text of `tokens` (the completion, without its end-of-text) satisfies `constraint` whole,
+    as a fresh matcher judges it: the check for a row that a limit ended before end-of-text."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(engine_tokenizer(tokenizer, vocab_size), constraint.grammar, log_level=0)
+    return not matcher.is_error() and matcher.try_consume_tokens(list(tokens)) == len(tokens) and matcher.is_accepting()
+
+
+def satisfied_by_text(tokenizer: Tokenizer, constraint: Constraint, vocab_size: int, text: str) -> bool:
+    """`satisfied` for a text (one a stop string cut), in the engine's own tokens of its bytes."""
+    engine = engine_tokenizer(tokenizer, vocab_size)
+    return satisfied(tokenizer, constraint, vocab_size, engine.tokenize_str(text))
+
+
+class _Bytes:
+    """A vocabulary of the 256 single bytes and an end-of-text token: every text can be written in it."""
+
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+
+    def __call__(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+def _matches_nothing(grammar: str) -> bool:
+    """Whether no text at all satisfies `grammar` (its language is empty, e.g. {"$ref": "#"}), rather
+    than only none this model's tokens can write: it cannot start even with single bytes."""
+    import llguidance
+
+    engine = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), n_vocab=257)
+    matcher = llguidance.LLMatcher(engine, grammar, log_level=0)
+    if matcher.is_error():
+        return False
+    allowed = _allowed(matcher.compute_bitmask(), 257)
+    return not matcher.is_accepting() and not [i for i in allowed if i != 256]
 
 
 def _allowed(bitmask: bytes, vocab_size: int) -> list[int]:

@@ -59,3 +59,54 @@ def bounded_lines(path: str | Path, max_line: int, error: type[LmcliError], what
                 yield line.removesuffix(b"\n")
     except OSError as e:
         raise error(f"cannot read {name}: {e.strerror or e}") from None
+
+
+# ----------------------------------------------------------------------------- nesting
+
+# How deep the arrays and objects of a JSON value from a stranger (a schema, a job row) may nest: past
+# this, Python's json module and lmcli's own walks would recurse into a RecursionError, and the
+# constraint engine (serde_json) refuses past 128 levels of its own. Real schemas nest a few levels.
+MAX_JSON_DEPTH = 100
+# A job row's line: a schema lies up to 5 levels inside it (an OpenAI request's body, response_format,
+# json_schema, schema), so any schema the command line takes fits in a row too.
+MAX_ROW_DEPTH = MAX_JSON_DEPTH + 10
+
+_JSON_STRING = None  # compiled on first use: a JSON string literal, whose brackets are text
+
+
+def text_deeper_than(text: str, limit: int) -> bool:
+    """Whether the JSON `text` nests arrays and objects more than `limit` deep, found without parsing it
+    (and without recursion), so the check can come before json.loads. Brackets inside strings do not
+    count; in text that is not JSON the answer only errs towards "deeper"."""
+    if text.count("[") + text.count("{") <= limit:  # the common case: too few brackets to go that deep
+        return False
+    import re
+
+    global _JSON_STRING
+    if _JSON_STRING is None:
+        _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+    skeleton = re.sub(r"[^\[\]{}]+", "", _JSON_STRING.sub("", text)).encode("ascii")
+    import numpy as np
+
+    depth = 0
+    for start in range(0, len(skeleton), _CHUNK):  # a chunk at a time: memory stays small on a 64 MiB line
+        codes = np.frombuffer(skeleton, dtype=np.uint8, count=min(_CHUNK, len(skeleton) - start), offset=start)
+        steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1).astype(np.int32)
+        levels = np.cumsum(steps, dtype=np.int32) + depth  # the depth after each bracket
+        if int(levels.max()) > limit:
+            return True
+        depth = int(levels[-1])
+    return False
+
+
+def value_deeper_than(value: object, limit: int) -> bool:
+    """Whether a parsed JSON value (dicts, lists, scalars) nests more than `limit` deep, walked with a
+    stack rather than recursion."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return False
