@@ -24,7 +24,7 @@ BLOCK = 16  # output rows per block
 def supports(q: GroupQuantized, dtype: torch.dtype) -> bool:
     """Whether this kernel can hold `q` multiplied in `dtype` (bfloat16 activations only: the
     kernel reads bfloat16, and a float32 model must not have its activations rounded)."""
-    n, k = q.shape
+    k = q.shape[-1]
     return (dtype == torch.bfloat16 and q.bits in (4, 8) and q.group % (4 if q.bits == 4 else 2) == 0
             and k % q.group == 0 and q.codes.device.type == "cpu" and len(q.shape) == 2)
 

@@ -35,8 +35,9 @@ MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # wh
 
 def _kernel_classes() -> dict[str, Any]:
     from lmcli.models.kernels import DequantiseKernel, Int4PackKernel
+    from lmcli.models.native_kernel import NativeKernel
 
-    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel)}
+    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel, NativeKernel)}
 
 
 def _plain(value: Any) -> Any:

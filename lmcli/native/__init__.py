@@ -25,9 +25,10 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 SOURCES = Path(__file__).parent / "csrc"
-FLAGS = ("-O2", "-fPIC", "-fopenmp", "-std=c++17", "-fno-fast-math", "-ffp-contract=off")
+FLAGS = ("-O3", "-fPIC", "-fopenmp", "-std=c++17", "-fno-fast-math", "-ffp-contract=off")
 FORMAT = 1  # bump when the way the library is built or named changes
 ENV = "LMCLI_NATIVE"  # "0": never build or load it
 
@@ -64,6 +65,12 @@ def _flags_of(source: Path) -> list[str]:
 def current() -> Build:
     from lmcli.paths import cache_dir
 
+    return _current(str(cache_dir()), os.environ.get("CXX", ""))
+
+
+@functools.cache  # per cache directory and compiler: the sources do not change while lmcli runs
+def _current(cache: str, cxx: str) -> Build:
+    del cxx  # read by _compiler; part of the cache key
     compiler = _compiler()
     digest = hashlib.sha256(f"{FORMAT}|{' '.join(FLAGS)}|".encode())
     if compiler:
@@ -72,7 +79,7 @@ def current() -> Build:
     for source in _source_files():
         digest.update(source.name.encode() + b"\0" + source.read_bytes() + b"\0")
     key = digest.hexdigest()[:16]
-    where = cache_dir() / "native"
+    where = Path(cache) / "native"
     return Build(compiler, key, where / f"liblmcli-{key}.so", where / f"{key}.failed")
 
 
@@ -111,7 +118,7 @@ def _run(command: list[str], verbose: bool) -> None:
 class _Library:
     """The loaded library and what it says about this CPU."""
 
-    ISAS = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
+    ISAS: ClassVar[dict[str, int]] = {"avx2": 1, "avx512": 2, "avx512bf16": 3}
 
     def __init__(self, path: Path):
         import torch  # noqa: F401  (first, so that the library's libgomp.so.1 is torch's)
@@ -193,7 +200,7 @@ def why_not() -> str:
 
 
 def _load_current() -> tuple[_Library | None, str]:
-    if os.environ.get(ENV, "") == "0":
+    if os.environ.get(ENV, "") == "0":  # read at each call: tests switch it
         return None, f"{ENV}=0"
     b = current()
     return _load(b.key, str(b.path), str(b.failed), b.compiler)

@@ -60,40 +60,51 @@ inline void tile_bf16(const QmmArgs& a, int64_t b0, int64_t m0, __m512i table) {
   const int64_t block_bytes = K / 4 * 32;
   const __m512i nib = _mm512_set1_epi16(15);
   V y[RB][MR];
+  _Pragma("GCC unroll 16")
   for (int r = 0; r < RB; r++)
+    _Pragma("GCC unroll 16")
     for (int m = 0; m < MR; m++) y[r][m] = vzero();
   for (int64_t g = 0; g < G; g++) {
     V acc[RB][MR];
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; r++)
+      _Pragma("GCC unroll 16")
       for (int m = 0; m < MR; m++) acc[r][m] = vzero();
     for (int64_t c = 0; c < chunks; c++) {
       const int64_t k0 = g * a.group + c * 4;
       __m512i xa[MR], xb[MR];
+      _Pragma("GCC unroll 16")
       for (int m = 0; m < MR; m++) {
         xa[m] = xpair(a.x + (m0 + m) * K + k0);
         xb[m] = xpair(a.x + (m0 + m) * K + k0 + 2);
       }
+      _Pragma("GCC unroll 16")
       for (int r = 0; r < RB; r++) {
         const uint8_t* p = a.codes + (b0 + r) * block_bytes + (g * chunks + c) * 32;
         const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         const __m512i wa = _mm512_permutexvar_epi16(_mm512_and_si512(bytes, nib), table);  // columns k0, k0+1
         const __m512i wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);   // k0+2, k0+3
+        _Pragma("GCC unroll 16")
         for (int m = 0; m < MR; m++) {
           acc[r][m] = dp(acc[r][m], wa, xa[m]);
           acc[r][m] = dp(acc[r][m], wb, xb[m]);
         }
       }
     }
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; r++) {
       const V s = vload(a.scales + ((b0 + r) * G + g) * 16);
+      _Pragma("GCC unroll 16")
       for (int m = 0; m < MR; m++) {
         y[r][m] = vfma(s, acc[r][m], y[r][m]);
         if (OFF) y[r][m] = vfma(vload(a.offsets + ((b0 + r) * G + g) * 16), vbcast(a.xsum[(m0 + m) * G + g]), y[r][m]);
       }
     }
   }
+  _Pragma("GCC unroll 16")
   for (int r = 0; r < RB; r++) {
     const int64_t n0 = (b0 + r) * 16;
+    _Pragma("GCC unroll 16")
     for (int m = 0; m < MR; m++) {
       float* out = a.y + (m0 + m) * a.ldy + n0;
       if (n0 + 16 <= a.N) {

@@ -15,19 +15,25 @@ inline void tile(const QmmArgs& a, int64_t b0, int64_t m0) {
   const int64_t chunks = a.group / per_chunk;     // chunks in a group
   const int64_t block_bytes = K / per_chunk * 32; // one block of 16 rows
   V y[RB][MR];
+  _Pragma("GCC unroll 16")
   for (int r = 0; r < RB; r++)
+    _Pragma("GCC unroll 16")
     for (int m = 0; m < MR; m++) y[r][m] = vzero();
   for (int64_t g = 0; g < G; g++) {
     V acc[RB][MR];
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; r++)
+      _Pragma("GCC unroll 16")
       for (int m = 0; m < MR; m++) acc[r][m] = vzero();
     for (int64_t c = 0; c < chunks; c++) {
       const int64_t k0 = g * a.group + c * per_chunk;
+      _Pragma("GCC unroll 16")
       for (int r = 0; r < RB; r++) {
         const uint8_t* p = a.codes + (b0 + r) * block_bytes + (g * chunks + c) * 32;
         if (BITS == 4) {
           V w[4];
           decode4(p, w);
+          _Pragma("GCC unroll 16")
           for (int m = 0; m < MR; m++) {
             const float* xr = a.xf + (m0 + m) * K + k0;
             acc[r][m] = vfma(vbcast(xr[1]), w[1], acc[r][m]);
@@ -38,6 +44,7 @@ inline void tile(const QmmArgs& a, int64_t b0, int64_t m0) {
         } else {
           V w[2];
           decode8(p, w);
+          _Pragma("GCC unroll 16")
           for (int m = 0; m < MR; m++) {
             const float* xr = a.xf + (m0 + m) * K + k0;
             acc[r][m] = vfma(vbcast(xr[1]), w[1], acc[r][m]);
@@ -46,16 +53,20 @@ inline void tile(const QmmArgs& a, int64_t b0, int64_t m0) {
         }
       }
     }
+    _Pragma("GCC unroll 16")
     for (int r = 0; r < RB; r++) {
       const V s = vload(a.scales + ((b0 + r) * G + g) * 16);
+      _Pragma("GCC unroll 16")
       for (int m = 0; m < MR; m++) {
         y[r][m] = vfma(s, acc[r][m], y[r][m]);
         if (OFF) y[r][m] = vfma(vload(a.offsets + ((b0 + r) * G + g) * 16), vbcast(a.xsum[(m0 + m) * G + g]), y[r][m]);
       }
     }
   }
+  _Pragma("GCC unroll 16")
   for (int r = 0; r < RB; r++) {
     const int64_t n0 = (b0 + r) * 16;
+    _Pragma("GCC unroll 16")
     for (int m = 0; m < MR; m++) {
       float* out = a.y + (m0 + m) * a.ldy + n0;
       if (n0 + 16 <= a.N) {
