@@ -129,6 +129,7 @@ class _Library:
         lib.lmcli_qmm_best.argtypes = []
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.lmcli_qmm.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int, ptr, i64]
+        lib.lmcli_native_threads.argtypes = []
         self.lib = lib
         self.qmm = lib.lmcli_qmm
         self.supported = [name for name, number in self.ISAS.items() if lib.lmcli_qmm_supported(number)]
@@ -143,6 +144,10 @@ class _Library:
                 raise UsageError(f"LMCLI_NATIVE_ISA={forced}: unknown (use {', '.join(self.ISAS)})")
             return self.ISAS[forced]
         return int(self.lib.lmcli_qmm_best())
+
+    def threads(self) -> int:
+        """OpenMP's thread count as the library sees it (torch.set_num_threads sets it too)."""
+        return int(self.lib.lmcli_native_threads())
 
     def isa_name(self) -> str | None:
         number = self.isa()

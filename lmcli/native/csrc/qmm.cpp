@@ -46,6 +46,9 @@ constexpr int64_t ROWS_PER_PASS = 64;  // x rows per pass over a thread's weight
 
 extern "C" {
 
+// The OpenMP threads a call would use: torch's setting once torch is loaded (one libgomp).
+int lmcli_native_threads(void) { return omp_get_max_threads(); }
+
 int lmcli_qmm_supported(int isa) { return supported(isa) ? 1 : 0; }
 
 int lmcli_qmm_best(void) {
