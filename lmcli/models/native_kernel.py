@@ -13,6 +13,8 @@ along K (int4: 4 columns, two codes a byte; int8: 2 columns); scales and offsets
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from lmcli.models.kernels import Kernel
@@ -101,20 +103,37 @@ class NativeKernel(Kernel):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """(M, K) -> (M, N) float32."""
+        qmm, isa = _entry()
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            x = x.to(torch.bfloat16).contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, self.n, dtype=torch.float32)
+        buffers = self._buffers  # not nn.Module's attribute lookup: this runs about 120 times a step
+        offsets = buffers["offsets"]
+        status = qmm(isa, x.data_ptr(), m, self.k, buffers["codes"].data_ptr(), buffers["scales"].data_ptr(),
+                     None if offsets is None else offsets.data_ptr(), self.n, self.group, self.bits,
+                     y.data_ptr(), self.n)
+        if status != 0:
+            raise RuntimeError(f"native kernel: status {status} for ({m}, {self.k}) x ({self.n}, {self.k})")
+        return y
+
+
+_entry_for: tuple[str | None, object, int] | None = None
+
+
+def _entry() -> tuple:
+    """The library's product function and the path to run (LMCLI_NATIVE_ISA, read at each call for
+    tests); the library itself is looked up once: a decode step makes about 120 calls."""
+    global _entry_for
+    forced = os.environ.get("LMCLI_NATIVE_ISA")
+    if _entry_for is None or _entry_for[0] != forced:
         from lmcli import native
 
         lib = native.library()
         if lib is None:
             raise RuntimeError(f"lmcli's native kernels are not available ({native.why_not()})")
-        x = x.to(torch.bfloat16).contiguous()
-        m = x.shape[0]
-        y = torch.empty(m, self.n, dtype=torch.float32)
-        offsets = self.offsets.data_ptr() if self.offsets is not None else None
-        status = lib.qmm(lib.isa(), x.data_ptr(), m, self.k, self.codes.data_ptr(), self.scales.data_ptr(),
-                         offsets, self.n, self.group, self.bits, y.data_ptr(), self.n)
-        if status != 0:
-            raise RuntimeError(f"native kernel: status {status} for ({m}, {self.k}) x ({self.n}, {self.k})")
-        return y
+        _entry_for = (forced, lib.qmm, lib.isa())
+    return _entry_for[1], _entry_for[2]
 
 
 def concat(parts: list[NativeKernel]) -> NativeKernel | None:

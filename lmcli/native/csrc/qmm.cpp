@@ -73,10 +73,11 @@ int lmcli_qmm(int isa, const uint16_t* x, int64_t M, int64_t K, const uint8_t* c
   const int64_t blocks = (N + 15) / 16;
   int threads = omp_get_max_threads();
   if (threads > blocks) threads = static_cast<int>(blocks);
+  if (M * N * K < (int64_t(1) << 18)) threads = 1;  // too small to pay for waking threads (results alike)
   if (threads < 1) threads = 1;
   QmmArgs a{x, xf.data(), offsets ? xsum.data() : nullptr, M, K, N, codes, scales, offsets, group, bits, y, ldy};
   const QmmRange run = range_of(isa);
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     // The copies of x, a row at a time (the same order for a row whatever M).
