@@ -143,10 +143,9 @@ def test_fallbacks_to_torch(monkeypatch):
 def test_the_fixed_choice_takes_native_kernels_where_they_build():
     from lmcli.models.kernel_plan import NATIVE_DEFAULT, fixed_choice
 
-    if not NATIVE_DEFAULT:
-        pytest.skip("native kernels are opt-in (kernel_plan.NATIVE_DEFAULT)")
     for kind in ("int4", "int8"):
-        assert fixed_choice(kind, torch.bfloat16, torch.device("cpu")).kernel == "native"
+        chosen = fixed_choice(kind, torch.bfloat16, torch.device("cpu")).kernel
+        assert (chosen == "native") == (kind in NATIVE_DEFAULT), (kind, chosen)
 
 
 def _child(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:

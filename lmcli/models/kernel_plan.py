@@ -1,8 +1,8 @@
 """Which kernel multiplies each quantized weight kind, and with which activation dtype.
 
 By default (batch-invariant) the choice is a fixed function of the torch build, lmcli's native library
-and device, never of timing: lmcli's own C++ kernel (`native`, lmcli/native) where it builds and passes
-a probe, else torch's int4 kernel (int4pack for int4 weights, int4pair for int8 ones) where this build
+and device, never of timing: for the kinds in NATIVE_DEFAULT lmcli's own C++ kernel (`native`,
+lmcli/native) where it builds and passes a probe, else torch's int4 kernel (int4pack for int4 weights, int4pair for int8 ones) where this build
 has it and it passes a probe, else dequantise + F.linear; bfloat16 activations; the same kernel at every
 row count, so a row's numbers do not depend on how many rows share its batch (`fixed_choice`).
 
@@ -103,7 +103,10 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(dtype, 2e-2)
 
 
-NATIVE_DEFAULT = True  # the native kernel first among the fixed choice's candidates (see README, docs/benchmarks.md)
+# Weight kinds whose fixed choice tries the native kernel first: where it measured faster than torch's
+# (docs/benchmarks.md, "Native kernels": int8, 1.3x at 1 row to 2.4x at 256 on the default model's head).
+# For int4 it measured on par, so it stays opt-in there (LMCLI_KERNEL=native).
+NATIVE_DEFAULT: tuple[str, ...] = ("int8",)
 
 
 def _candidates(kind: str, device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
@@ -213,7 +216,7 @@ def _fixed_choice(kind: str, dtype: torch.dtype, device: torch.device, path: Pat
 
     machine = _machine_key(device)
     # The native library's key: a new build (or a failed one) is probed again.
-    entry = f"fixed|{kind}|{_dtype_name(dtype)}|native={native.available_without_building() if NATIVE_DEFAULT else 'off'}"
+    entry = f"fixed|{kind}|{_dtype_name(dtype)}|native={native.available_without_building() if kind in NATIVE_DEFAULT else 'off'}"
     stored = _read_plans(path)
     try:
         known = KernelChoice(**stored[machine][entry])
@@ -247,7 +250,7 @@ def _probe_fixed(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
     why = (f"{_dtype_name(dtype)} activations, fixed for {device.type} {torch.backends.cpu.get_cpu_capability()}, "
            f"torch {torch.__version__}")
     for name in _candidates(kind, device, dtype):
-        if name == "native" and (not NATIVE_DEFAULT or _native_missing()):
+        if name == "native" and (kind not in NATIVE_DEFAULT or _native_missing()):
             continue
         try:
             got = build_kernel(name, q, dtype, device).matmul(x.to(device, dtype)).float().cpu()

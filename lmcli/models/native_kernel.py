@@ -109,8 +109,9 @@ class NativeKernel(Kernel):
         m = x.shape[0]
         y = torch.empty(m, self.n, dtype=torch.float32)
         buffers = self._buffers  # not nn.Module's attribute lookup: this runs about 120 times a step
-        offsets = buffers["offsets"]
-        status = qmm(isa, x.data_ptr(), m, self.k, buffers["codes"].data_ptr(), buffers["scales"].data_ptr(),
+        codes, scales, offsets = buffers["codes"], buffers["scales"], buffers["offsets"]
+        assert codes is not None and scales is not None
+        status = qmm(isa, x.data_ptr(), m, self.k, codes.data_ptr(), scales.data_ptr(),
                      None if offsets is None else offsets.data_ptr(), self.n, self.group, self.bits,
                      y.data_ptr(), self.n)
         if status != 0:
