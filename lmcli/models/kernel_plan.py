@@ -216,7 +216,9 @@ def _fixed_choice(kind: str, dtype: torch.dtype, device: torch.device, path: Pat
 
     machine = _machine_key(device)
     # The native library's key: a new build (or a failed one) is probed again.
-    entry = f"fixed|{kind}|{_dtype_name(dtype)}|native={native.available_without_building() if kind in NATIVE_DEFAULT else 'off'}"
+    entry = f"fixed|{kind}|{_dtype_name(dtype)}"
+    if kind in NATIVE_DEFAULT:
+        entry += f"|native={native.available_without_building()}"
     stored = _read_plans(path)
     try:
         known = KernelChoice(**stored[machine][entry])
