@@ -27,6 +27,10 @@ install:
 	@# `lmcli serve`'s optional extra (starlette + uvicorn).
 	@$(PYTHON) -c "import starlette, uvicorn" 2>/dev/null \
 		|| { echo "install: the server's libraries (starlette, uvicorn)"; $(PIP) install -q -e '.[serve]'; }
+	@# lmcli's C++ kernels (lmcli/native/csrc) with the system compiler; a failure is recorded and lmcli
+	@# uses torch's kernels instead (it never fails the install).
+	@echo "install: lmcli's C++ kernels (a few seconds with g++)"
+	@$(PYTHON) -m lmcli.native || true
 
 install-test: install
 	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx" 2>/dev/null \

@@ -264,8 +264,16 @@ def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer |
         *((f"default {name}", f"{value} ({source})") for name, value, source in defaults.described()),
         ("file size", human_bytes(size_on_disk(path))),
         *((f"{kind} kernel", choice.describe()) for kind, choice in getattr(model, "kernel_choices", {}).items()),
+        ("native kernels", _describe_native()),
         ("cache", describe_cache(path)),
     ]
+
+
+def _describe_native() -> str:
+    """Which code path of lmcli's C++ kernels runs on this CPU, or why none does (lmcli/native)."""
+    from lmcli import native
+
+    return native.describe()
 
 
 def describe_dtype(model: Any) -> str:

@@ -118,7 +118,7 @@ def test_kernel_plan_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
     kernel_plan._cached_plans.cache_clear()
     choice = kernel_plan.measured_plan("int8", torch.bfloat16)
-    assert choice.kernel in KERNELS[8] and f"{choice.kernel}@1" in choice.seconds and choice.why
+    assert choice.kernel in [*KERNELS[8], "native"] and f"{choice.kernel}@1" in choice.seconds and choice.why
     stored = json.loads((tmp_path / "kernels.json").read_text())
     (machine,) = stored.values()
     assert machine["int8|bfloat16,float32"]["bfloat16"]["kernel"] == choice.kernel

@@ -77,7 +77,7 @@ def cache_key(gguf_path: Path, dtype: str | torch.dtype | None, fingerprint: str
         "code": _code_version(),
         "torch": torch.__version__, "cpu": torch.backends.cpu.get_cpu_capability(),
         "dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),
-        "kernel_env": {name: os.environ.get(name, "") for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS")},
+        "kernel_env": {name: os.environ.get(name, "") for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS", "LMCLI_NATIVE")},
     }
 
 

@@ -1,8 +1,9 @@
 """Which kernel multiplies each quantized weight kind, and with which activation dtype.
 
-By default (batch-invariant) the choice is a fixed function of the torch build and device, never of
-timing: torch's int4 kernel (int4pack for int4 weights, int4pair for int8 ones) where this build has
-it and it passes a probe, else dequantise + F.linear; bfloat16 activations; the same kernel at every
+By default (batch-invariant) the choice is a fixed function of the torch build, lmcli's native library
+and device, never of timing: for the kinds in NATIVE_DEFAULT lmcli's own C++ kernel (`native`,
+lmcli/native) where it builds and passes a probe, else torch's int4 kernel (int4pack for int4 weights, int4pair for int8 ones) where this build
+has it and it passes a probe, else dequantise + F.linear; bfloat16 activations; the same kernel at every
 row count, so a row's numbers do not depend on how many rows share its batch (`fixed_choice`).
 
 With --fast-kernels (LMCLI_FAST_KERNELS=1) the candidates are measured on this machine once
@@ -45,7 +46,12 @@ class KernelChoice:
 
     def describe(self) -> str:
         large = f", dequantise + F.linear from {self.large_rows} rows" if self.large_rows else ""
-        return f"{self.kind} ({self.dtype}): {self.kernel}{large} — {self.why}"
+        kernel = self.kernel
+        if kernel == "native":  # which of its code paths runs here
+            from lmcli import native
+
+            kernel += f" [{native.describe()}]"
+        return f"{self.kind} ({self.dtype}): {kernel}{large} — {self.why}"
 
 
 PLAN_FORMAT = 3  # 3: measured in a child process (plans measured in-process under load were unreliable)
@@ -97,9 +103,22 @@ def _tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}.get(dtype, 2e-2)
 
 
-def _candidates(kind: str, device: torch.device) -> list[str]:
+# Weight kinds whose fixed choice tries the native kernel first: where it measured faster than torch's
+# (docs/benchmarks.md, "Native kernels": int8, 1.3x at 1 row to 2.4x at 256 on the default model's head).
+# For int4 it measured on par, so it stays opt-in there (LMCLI_KERNEL=native).
+NATIVE_DEFAULT: tuple[str, ...] = ("int8",)
+
+
+def _candidates(kind: str, device: torch.device, dtype: torch.dtype | None = None) -> list[str]:
+    """Kernels to try, best first. `native` reads bfloat16 activations only (`dtype` None: any)."""
     has_int4 = hasattr(torch.ops.aten, "_weight_int4pack_mm" if device.type == "cuda" else "_weight_int4pack_mm_for_cpu")
-    return (["int4pack" if kind == "int4" else "int4pair"] if has_int4 else []) + ["dequantise"]
+    native = []
+    if device.type == "cpu" and dtype in (None, torch.bfloat16):
+        from lmcli import native as library
+
+        if library.available_without_building() is not None:
+            native = ["native"]
+    return native + (["int4pack" if kind == "int4" else "int4pair"] if has_int4 else []) + ["dequantise"]
 
 
 MEASURED_DTYPES = (torch.bfloat16, torch.float32)  # compared against each other in one run
@@ -119,7 +138,9 @@ def measure(kind: str, device: torch.device, dtypes=MEASURED_DTYPES,
     rejected: dict[tuple, str] = {}
     kernels: dict[tuple, Kernel] = {}  # (dtype, kernel name) -> kernel
     for dtype in dtypes:
-        for name in _candidates(kind, device):
+        for name in _candidates(kind, device, dtype):
+            if name == "native" and _native_missing():
+                continue
             try:
                 kernel = build_kernel(name, q, dtype, device)
                 x = torch.randn(4, k, generator=gen)
@@ -191,13 +212,18 @@ def fixed_choice(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
 def _fixed_choice(kind: str, dtype: torch.dtype, device: torch.device, path: Path) -> KernelChoice:
     if device.type != "cpu":
         return _probe_fixed(kind, dtype, device)
+    from lmcli import native
+
     machine = _machine_key(device)
+    # The native library's key: a new build (or a failed one) is probed again.
     entry = f"fixed|{kind}|{_dtype_name(dtype)}"
+    if kind in NATIVE_DEFAULT:
+        entry += f"|native={native.available_without_building()}"
     stored = _read_plans(path)
     try:
         known = KernelChoice(**stored[machine][entry])
         if (known.kind, known.dtype, known.large_rows) == (kind, _dtype_name(dtype), None) and \
-                known.kernel in (*_candidates(kind, device), "dequantise"):
+                known.kernel in (*_candidates(kind, device, dtype), "dequantise"):
             return known  # else a damaged or foreign entry: probe again
     except (KeyError, TypeError):
         pass
@@ -225,7 +251,9 @@ def _probe_fixed(kind: str, dtype: torch.dtype, device: torch.device) -> KernelC
     x = torch.randn(3, 256, generator=gen)
     why = (f"{_dtype_name(dtype)} activations, fixed for {device.type} {torch.backends.cpu.get_cpu_capability()}, "
            f"torch {torch.__version__}")
-    for name in _candidates(kind, device):
+    for name in _candidates(kind, device, dtype):
+        if name == "native" and (kind not in NATIVE_DEFAULT or _native_missing()):
+            continue
         try:
             got = build_kernel(name, q, dtype, device).matmul(x.to(device, dtype)).float().cpu()
         except (RuntimeError, NotImplementedError, AttributeError):
@@ -242,14 +270,24 @@ def kernel_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu
     device = torch.device(device)
     forced = os.environ.get("LMCLI_KERNEL")
     if forced:
-        if forced not in ("int4pack", "int4pair", "dequantise"):
+        if forced not in ("int4pack", "int4pair", "dequantise", "native"):
             from lmcli.errors import UsageError
 
-            raise UsageError(f"LMCLI_KERNEL={forced}: unknown kernel (use int4pack, int4pair or dequantise)")
-        if forced != "dequantise":
+            raise UsageError(f"LMCLI_KERNEL={forced}: unknown kernel (use native, int4pack, int4pair or dequantise)")
+        if forced == "native" and (device.type != "cpu" or dtype != torch.bfloat16 or _native_missing()):
+            why = "forced by LMCLI_KERNEL=native, which cannot run here: torch's kernel"
+            return KernelChoice(kind, _dtype_name(dtype), "int4pack" if kind == "int4" else "int4pair", None, why, {})
+        if forced not in ("dequantise", "native"):
             forced = "int4pack" if kind == "int4" else "int4pair"
         return KernelChoice(kind, _dtype_name(dtype), forced, None, "forced by LMCLI_KERNEL", {})
     return measured_plan(kind, dtype, device) if fast_kernels() else fixed_choice(kind, dtype, device)
+
+
+def _native_missing() -> bool:
+    """Whether lmcli's native library cannot be had (building it first if it was never tried)."""
+    from lmcli import native
+
+    return native.library() is None
 
 
 def measured_plan(kind: str, dtype: torch.dtype, device: torch.device | str = "cpu") -> KernelChoice:

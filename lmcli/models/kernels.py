@@ -6,6 +6,9 @@
                kernel as one matrix of twice the columns (see Int4PackKernel)
   dequantise   the weight is expanded to the activation dtype on every call, then `F.linear`
                (always available)
+  native       lmcli's own C++ products (models/native_kernel.py, lmcli/native/csrc): int4 and int8
+               codes as stored, float32 scales, float32 sums in an order fixed for any row count;
+               bfloat16 activations; where the library builds and the CPU has AVX2 or AVX-512
 
 Which one a model uses is decided in models/kernel_plan.py.
 """
@@ -265,8 +268,16 @@ class Int4PackKernel(Kernel):
 
 
 def build_kernel(name: str, q: GroupQuantized, dtype: torch.dtype, device: torch.device | str = "cpu") -> Kernel:
+    """`name`'s kernel for `q`; "native" falls back to torch's int4 kernel where it cannot hold `q`
+    (a float32 model, a group size it does not take, no library)."""
     if name == "dequantise":
         return DequantiseKernel(q.to(device), dtype)
+    if name == "native":
+        from lmcli import native
+        from lmcli.models.native_kernel import NativeKernel, supports
+
+        if torch.device(device).type == "cpu" and supports(q, dtype) and native.library() is not None:
+            return NativeKernel(q, dtype)
     return Int4PackKernel(q, dtype, device)
 
 
@@ -303,6 +314,10 @@ def concat_kernels(kernels: Sequence[Kernel]) -> Kernel | None:
         packed = torch.cat([k.packed for k in parts])  # (N, stored columns / 2)
         scales_and_zeros = torch.cat([k.scales_and_zeros for k in parts], dim=1)  # (G, N, 2)
         return _with_rows(first, n, packed=packed, scales_and_zeros=scales_and_zeros)
+    if first.name == "native":
+        from lmcli.models.native_kernel import concat
+
+        return concat(parts)
     if type(first) is DequantiseKernel:
         if any(k.bits != first.bits or k.group != first.group for k in parts):
             return None

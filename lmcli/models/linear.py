@@ -134,7 +134,7 @@ class QuantizedInstaller:
         self.choices[q.kind] = choice
         kernel_name = choice.kernel
         kernel_group = 2 * q.group if q.bits == 8 else q.group  # int4pair doubles the columns
-        if kernel_group % 32 and kernel_name != "dequantise":  # torch's int4 kernel groups 32+ values
+        if kernel_group % 32 and kernel_name not in ("dequantise", "native"):  # torch's int4 kernel groups 32+ values
             kernel_name = "dequantise"
         try:
             kernel = build_kernel(kernel_name, q, self.dtype, self.device)

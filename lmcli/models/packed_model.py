@@ -32,8 +32,9 @@ MODEL_SETTINGS = ("kernel_choices", "batch_invariant", "activation_dtype")  # a 
 
 def _kernel_classes() -> dict[str, Any]:
     from lmcli.models.kernels import DequantiseKernel, Int4PackKernel
+    from lmcli.models.native_kernel import NativeKernel
 
-    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel)}
+    return {cls.__name__: cls for cls in (Int4PackKernel, DequantiseKernel, NativeKernel)}
 
 
 # The buffers each kernel registers (models/kernels.py), some None: an entry must give every one, or the
