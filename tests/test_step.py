@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import prompts, save_reference
+from tiny import BASE, prompts, random_reference, save_reference
 
 import lmcli
 from lmcli.generation.step import Step
@@ -72,8 +72,13 @@ def test_a_quantized_prefill_in_chunks_is_the_whole_prompts_exactly(tmp_path, mo
     monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))
     kernel_plan._cached_plans.cache_clear()
     try:
-        save_reference("llama", tmp_path / "llama")
+        # Every projection a multiple of the int4 group (32), so each is quantized: a float weight left
+        # beside them (tiny.BASE's intermediate 48) multiplies through F.linear, whose sums differ with
+        # the row count.
+        random_reference("llama", dict(BASE, intermediate_size=64, tie_word_embeddings=False)).save_pretrained(
+            tmp_path / "llama")
         model, _ = lmcli.load(tmp_path / "llama", quantize="int4")
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
         assert model.numerics.batch_invariant and model.numerics.activation_dtype == torch.bfloat16
         ids = prompts([29])[0][None]
         step = Step.of(model)
