@@ -145,7 +145,7 @@ def test_speculation_where_prompt_and_new_tokens_fill_the_context_exactly(tiny_m
     assert stats.enabled and stats.note is None and stats.passes > 0, stats
     over = SpeculationStats()
     model.generate(prompt, max_new_tokens=new + 1, do_sample=False, prompt_lookup=4, stats=over)
-    assert not over.enabled and "context" in over.note
+    assert not over.enabled and over.note is not None and "context" in over.note
 
 
 # --- per-row speculation counts in a batched job ---------------------------------------------------
@@ -231,6 +231,7 @@ def test_a_template_that_prints_a_list_of_backslashes_past_the_limit_is_refused(
     config["chat_template"] = "{% set s = '\\\\' * 40 %}{% set xs = [s] * 20000 %}{{ xs }}"
     (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(tmp_path / "t")
+    assert tokenizer is not None
     with pytest.raises(Exception, match="1,000,000") as caught:
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert "Traceback" not in str(caught.value)

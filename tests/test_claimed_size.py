@@ -63,6 +63,7 @@ def test_the_bound_never_exceeds_a_real_models_weights(preset):
     from lmcli.loading import least_weights
 
     hf = registry.preset_config(preset)
+    assert hf is not None
     config = registry.config_from_hf(dict(hf))
     hf_config = transformers.AutoConfig.for_model(**hf)
     with torch.device("meta"):

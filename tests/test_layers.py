@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("io", ("lmcli.io",)),
     ("settings", ("lmcli.settings",)),
     ("resolve", ("lmcli.resolve",)),
-    ("kernels", ("lmcli.kernels",)),
+    ("kernels", ("lmcli.kernels", "lmcli.native")),
     ("models", ("lmcli.models",)),
     ("distributed", ("lmcli.distributed",)),
     ("loading", ("lmcli.loading",)),
@@ -91,6 +91,8 @@ OLD_NAMES = {
     "lmcli.models.linear": "lmcli.kernels.linear",
     "lmcli.models.packed_model": "lmcli.kernels.packed_model",
     "lmcli.models.numerics": "lmcli.kernels.numerics",
+    "lmcli.models.native_kernel": "lmcli.kernels.native_kernel",
+    "lmcli.models.kernel_base": "lmcli.kernels.base",
     "lmcli.bench_server": "lmcli.bench.server",
     "lmcli.hub": "lmcli.resolve.hub",
 }

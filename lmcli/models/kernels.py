@@ -15,7 +15,6 @@ Which one a model uses is decided in models/kernel_plan.py.
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from lmcli.models.kernel_base import Kernel, _with_rows
 from lmcli.quant.stored import GroupQuantized, unpack_nibbles, unpack_nibbles_numpy
 
 # --- torch's packed int4 layout on the CPU ------------------------------------------------------------
@@ -105,28 +104,6 @@ def cpu_pack_layout() -> PackLayout | None:
 
 
 # --- kernels ---------------------------------------------------------------------------------------
-
-
-class Kernel(nn.Module):
-    """One stored form of a (N, K) weight and how it multiplies activations (M, K) -> (M, N)."""
-
-    name = "?"
-
-    def __init__(self, n: int, k: int, dtype: torch.dtype):
-        super().__init__()
-        self.n, self.k, self.dtype = n, k, dtype
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def dequantise(self) -> torch.Tensor | None:
-        """(N, K) in the activation dtype, or None if this form cannot be expanded cheaply."""
-        return None
-
-    def rows(self, index: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        """Rows `index` (R,) -> (R, K) in the activation dtype or `dtype` (an embedding lookup, or the
-        head's float32 logits: linear.QuantHead), or None."""
-        return None
 
 
 class DequantiseKernel(Kernel):
@@ -282,17 +259,6 @@ def build_kernel(name: str, q: GroupQuantized, dtype: torch.dtype, device: torch
 
 
 # --- joined kernels: one matrix call where a layer had several ----------------------------------
-
-
-def _with_rows(template: Kernel, n: int, **buffers: torch.Tensor | None) -> Kernel:
-    """A kernel of `template`'s kind, dtype and layout holding `n` rows in `buffers`."""
-    joined = copy.copy(template)  # the stored form's settings (group, layout, pair, ...), as they are
-    joined._buffers = dict(template._buffers)  # its own buffers, not the template's
-    joined._parameters, joined._modules = dict(template._parameters), dict(template._modules)
-    joined.n = n
-    for name, tensor in buffers.items():
-        setattr(joined, name, tensor)
-    return joined
 
 
 def concat_kernels(kernels: Sequence[Kernel]) -> Kernel | None:

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from lmcli.models.kernels import Kernel
+from lmcli.models.kernel_base import Kernel
 from lmcli.quant.stored import GroupQuantized
 
 BLOCK = 16  # output rows per block
@@ -142,7 +142,7 @@ def concat(parts: list[NativeKernel]) -> NativeKernel | None:
     first = parts[0]
     if any(p.n % BLOCK or p.bits != first.bits or p.group != first.group for p in parts):
         return None
-    from lmcli.models.kernels import _with_rows
+    from lmcli.models.kernel_base import _with_rows
 
     offsets = None
     if any(p.offsets is not None for p in parts):  # a missing offset is 0
