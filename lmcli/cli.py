@@ -24,13 +24,13 @@ from typing import Annotated, Any
 
 import typer
 
-from lmcli.bench_sections import SECTIONS
-from lmcli.bench_settings import BenchSettings  # not lmcli.bench: its measuring modules load only for `bench`
+from lmcli.bench.sections import SECTIONS
+from lmcli.bench.settings import BenchSettings  # not lmcli.bench.main: its measuring modules load only for `bench`
 from lmcli.command_group import LmcliGroup, defer_collection, resume_collection
 from lmcli.errors import TokenizerError, UsageError
 from lmcli.generation.constraints import CONSTRAINED_MAX_NEW_TOKENS
-from lmcli.hub import PRESETS as HUB_PRESETS  # huggingface_hub itself loads only for a download
-from lmcli.settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+from lmcli.resolve.hub import PRESETS as HUB_PRESETS  # huggingface_hub itself loads only for a download
+from lmcli.settings.generation_settings import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
 
 
 class Device(str, enum.Enum):
@@ -134,7 +134,7 @@ DeviceOption = Annotated[Device, typer.Option("--device", metavar=_one_of(Device
 DTypeOption = Annotated[DType, typer.Option(
     "--dtype", metavar=_one_of(DType), rich_help_panel=MODEL_PANEL,
     help="Activation dtype (auto: float32 on CPU; with quantized weights, the fastest measured here).")]
-# Speculative decoding (lmcli.speculation): generate and chat.
+# Speculative decoding (lmcli.generation.speculative_setup): generate and chat.
 PromptLookupOption = Annotated[bool, _switch(
     "--prompt-lookup", "Guess tokens from earlier text and verify them in one pass (greedy: the same output; "
     "sampling: the same distribution; faster on text that repeats its input).", OUTPUT_PANEL)]
@@ -246,8 +246,8 @@ ColorProbsOption = Annotated[bool, _switch(
 
 def _settings_from_flags(decoding: DecodingFlags, **others: Any):
     """GenerationSettings from a command's decoding flags and `others`."""
-    from lmcli.job_input import unescape_line
-    from lmcli.settings import GenerationSettings, parse_logit_bias
+    from lmcli.jobs.input import unescape_line
+    from lmcli.settings.generation_settings import GenerationSettings, parse_logit_bias
 
     flags = dict(decoding)
     logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
@@ -277,8 +277,8 @@ def _constraint_from_flags(flags: DecodingFlags):
 
 
 def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None = None):
-    """The model -c/-m/--tokenizer name, resolved once for the whole command (lmcli.model_ref)."""
-    from lmcli.model_ref import resolve_model
+    """The model -c/-m/--tokenizer name, resolved once for the whole command (lmcli.resolve.model_ref)."""
+    from lmcli.resolve.model_ref import resolve_model
 
     return resolve_model(checkpoint, model, tokenizer)
 
@@ -385,7 +385,7 @@ def generate(
                  "--color-probs": color_probs, "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
                  "--tp": tp, "--model": model, "--checkpoint": checkpoint, "--tokenizer": tokenizer,
                  "--quantize": quantize, "--no-truncate": no_truncate}
-        from lmcli import runs
+        from lmcli.jobs import runs
         from lmcli.serve import client
 
         for flag, value in local.items():
@@ -397,7 +397,8 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
-    from lmcli import runs, speculation
+    from lmcli.generation import speculative_setup as speculation
+    from lmcli.jobs import runs
 
     speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
                                        draft_quantize.value if draft_quantize is not None else None)
@@ -445,8 +446,8 @@ def _spinner(text: str) -> Any:
 
 @contextlib.contextmanager
 def _exit_when_stopped():
-    """A run that ended early has said why (lmcli.runs): exit with its code (130 for Ctrl-C, as a shell expects)."""
-    from lmcli.runs import Stopped
+    """A run that ended early has said why (lmcli.jobs.runs): exit with its code (130 for Ctrl-C, as a shell expects)."""
+    from lmcli.jobs.runs import Stopped
 
     try:
         yield
@@ -536,8 +537,8 @@ def chat(
 
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
-    from lmcli import speculation
-    from lmcli.chat import ChatOptions, run_chat
+    from lmcli.chat.repl import ChatOptions, run_chat
+    from lmcli.generation import speculative_setup as speculation
 
     _use_threads(threads)
     speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
@@ -627,7 +628,7 @@ def serve(
     from lmcli.serve.server import serve as run_server
 
     resolved = _resolve(checkpoint, model, tokenizer)
-    from lmcli.settings import GenerationSettings
+    from lmcli.settings.generation_settings import GenerationSettings
 
     base = GenerationSettings().with_model_defaults(resolved.defaults)
 
@@ -661,7 +662,7 @@ def pull(
         "REV", "A branch, tag or commit of the hub repo (default: main).", "--revision", panel=None)] = None,
 ) -> None:
     """Download a model from the HuggingFace Hub (HF_ENDPOINT, HF_TOKEN) into its cache, and print its path."""
-    from lmcli import hub
+    from lmcli.resolve import hub
 
     typer.echo(str(hub.pull(name, revision)))
 
@@ -672,7 +673,7 @@ def rm(
         "A pulled model: ORG/REPO[@REV] (every file of it) or ORG/REPO:QUANT, ORG/REPO/FILE.gguf (that file)."))],
 ) -> None:
     """Remove a pulled model from the HuggingFace cache (huggingface_hub's cache management)."""
-    from lmcli import hub
+    from lmcli.resolve import hub
 
     typer.echo(hub.remove(name))
 
@@ -785,8 +786,8 @@ def bench(
     as_markdown: Annotated[bool, _switch(
         "--markdown", "Print the engine comparison as a Markdown table, with the CPU and the command.")] = False,
 ) -> None:
-    """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench.py)."""
-    from lmcli import bench as bench_module
+    """Benchmark lmcli (each weight format), transformers and llama.cpp on the same weights (see lmcli/bench/main.py)."""
+    from lmcli.bench import main as bench_module
 
     options: dict[str, Any] = dict(
         checkpoint=str(checkpoint) if checkpoint is not None else None,
@@ -796,7 +797,7 @@ def bench(
         skip_quality=skip_quality, quick=quick, threads=threads, background_load=background_load, sections=sections,
         as_json=as_json, as_markdown=as_markdown,
     )
-    # Unset options are left out so bench.py's own defaults apply (and are validated there).
+    # Unset options are left out so bench/main.py's own defaults apply (and are validated there).
     bench_module.main(**{k: v for k, v in options.items() if v is not None and v is not False})
 
 

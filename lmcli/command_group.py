@@ -56,9 +56,9 @@ class LmcliGroup(TyperGroup):
         # --debug is accepted anywhere before a `--` so `lmcli generate ... --debug` works too.
         end = args.index("--") if "--" in args else len(args)
         _debug = "--debug" in args[:end]
-        if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by models/kernel_plan.py
+        if "--fast-kernels" in args[:end]:  # like --debug, anywhere; read by kernels/plan.py
             os.environ["LMCLI_FAST_KERNELS"] = "1"
-        if "--offline" in args[:end]:  # like --debug, anywhere; read by lmcli/hub.py (and huggingface_hub)
+        if "--offline" in args[:end]:  # like --debug, anywhere; read by lmcli/resolve/hub.py (and huggingface_hub)
             os.environ["HF_HUB_OFFLINE"] = "1"
         args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels", "--offline")] + args[end:]
         try:

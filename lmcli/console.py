@@ -22,7 +22,7 @@ from lmcli.io.sizes import human_bytes
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
-    from lmcli.model_ref import ResolvedModel
+    from lmcli.resolve.model_ref import ResolvedModel
 
 STOP_REASONS = {"eos": "end of text", "length": "token limit", "stop": "stop string", "interrupted": "Ctrl-C"}
 
@@ -238,8 +238,8 @@ def describe_gguf_storage(path: Path) -> str:
 def checkpoint_facts(resolved: ResolvedModel, model: Any, tokenizer: Tokenizer | None) -> list[tuple[str, str]]:
     """What `lmcli info` says about a loaded model, in order: what it is, its decoding defaults and
     where each comes from, and what lmcli keeps for it."""
-    from lmcli.model_names import size_on_disk
-    from lmcli.settings import GenerationSettings
+    from lmcli.resolve.model_names import size_on_disk
+    from lmcli.settings.generation_settings import GenerationSettings
 
     config, path = model.config, resolved.path
     parameters = model.num_parameters()
@@ -292,8 +292,8 @@ def describe_weights(model: Any) -> str:
 
 def describe_cache(checkpoint: Path) -> str:
     """What lmcli keeps for this checkpoint under the cache directory, and how big it is."""
-    from lmcli.default_model import dequantised_copies
     from lmcli.paths import cache_dir
+    from lmcli.resolve.default_model import dequantised_copies
 
     root = cache_dir()
     entries = [f"a dequantised {dtype} copy, {human_bytes(size)} (used by --quantize none)"
@@ -336,7 +336,8 @@ def print_models(terminal: bool) -> None:
     """`lmcli models`: the real models on this machine, then the architectures and presets.
 
     In a pipe, one record per line, kind first: `lmcli models | grep ^model` lists the real models."""
-    from lmcli import model_names, registry
+    from lmcli import registry
+    from lmcli.resolve import model_names
 
     local = [
         (m.name, "default" if m.default else "", _SOURCES[m.source],
@@ -350,7 +351,7 @@ def print_models(terminal: bool) -> None:
         sizes = (config.num_hidden_layers, config.hidden_size, config.max_position_embeddings)
         presets.append((name, config.architecture, *map(str, sizes), preset.get("_name_or_path", "")))
     architectures = ", ".join(registry.list_architectures())
-    from lmcli.hub import PRESETS
+    from lmcli.resolve.hub import PRESETS
 
     if not terminal:
         for model_row in local:

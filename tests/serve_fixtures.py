@@ -92,7 +92,7 @@ def local(model: Any, tokenizer: Any, defaults: Any, prompt: str | list[dict], *
     """What `lmcli generate` makes of `prompt` with these flags (runs.generate_one's path: settings from
     the flags over the model's defaults, then generate_batch on the row alone): its RowResult."""
     from lmcli.generation.rows import generate_batch, prepare_row
-    from lmcli.settings import GenerationSettings
+    from lmcli.settings.generation_settings import GenerationSettings
 
     logprobs = flags.pop("logprobs", None)
     settings = GenerationSettings.from_flags(chat=chat, **flags).with_model_defaults(defaults)

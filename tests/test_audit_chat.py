@@ -15,7 +15,7 @@ from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from test_chat import CharTokenizer, cli, fresh_reply, greedy, reply_text
 
 import lmcli
-from lmcli.chat import ChatSession
+from lmcli.chat.repl import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

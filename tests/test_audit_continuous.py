@@ -21,8 +21,8 @@ from lmcli.errors import UsageError
 from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.prefix_cache import PrefixCache
 from lmcli.generation.rows import prepare_row
-from lmcli.job_input import JobRows, id_key
-from lmcli.settings import GenerationSettings
+from lmcli.jobs.input import JobRows, id_key
+from lmcli.settings.generation_settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -134,7 +134,7 @@ class FailingModel:
 
 
 def run_failing(model, tokenizer, rows, batch_size: int):
-    """(tokens by row done in the batch, rows handed to isolate), wired as jobs.py wires them (a row that
+    """(tokens by row done in the batch, rows handed to isolate), wired as jobs/runner.py wires them (a row that
     runs alone is isolated too)."""
     done: list = []
     isolated: list = []
@@ -164,7 +164,7 @@ def test_a_failed_step_hands_its_rows_to_isolate_once(model_and_tokenizer):
 
 
 def test_a_row_that_fails_to_start_is_isolated_and_the_others_go_on(model_and_tokenizer):
-    """A row whose prefill fails is handed over once (jobs.py writes its error row); the others are unchanged."""
+    """A row whose prefill fails is handed over once (jobs/runner.py writes its error row); the others are unchanged."""
     model, tokenizer = model_and_tokenizer
     settings = GenerationSettings(ignore_eos=True)
     rows = [prepare_row(tokenizer, i, f"row {i} " * (1 + i), settings.for_row({"max_new_tokens": 4, "temperature": 0}))

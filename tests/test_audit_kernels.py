@@ -12,7 +12,7 @@ from tiny import save_reference
 from torch import nn
 
 import lmcli
-from lmcli.models.linear import QuantLinear, fuse_linears
+from lmcli.kernels.linear import QuantLinear, fuse_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

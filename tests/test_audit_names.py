@@ -15,8 +15,8 @@ from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from test_model_names import hub_repo, places  # noqa: F401 (places: a fixture)
 from test_settings_defaults import gguf_file
 
-from lmcli import model_names
-from lmcli.model_ref import resolve_model
+from lmcli.resolve import model_names
+from lmcli.resolve.model_ref import resolve_model
 
 
 def test_refs_main_naming_a_snapshot_that_is_gone_takes_the_one_there(places, tiny_checkpoint):

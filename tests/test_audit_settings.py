@@ -11,7 +11,7 @@ import json
 import pytest
 
 from lmcli.errors import UsageError
-from lmcli.settings import GenerationSettings, ModelDefaults, parse_logit_bias, read_model_defaults
+from lmcli.settings.generation_settings import GenerationSettings, ModelDefaults, parse_logit_bias, read_model_defaults
 
 
 def test_the_documented_defaults():

@@ -63,7 +63,7 @@ def test_quantize_int8_on_a_gguf_is_not_served_the_files_own_quantization(tiny_g
 
 def test_fast_kernels_after_a_start_without_them_is_not_batch_invariant(tiny_gguf, cache, monkeypatch, capfd):
     """--fast-kernels (LMCLI_FAST_KERNELS=1) is the measured plan, not the batch-invariant one
-    (models/kernel_plan.py): an entry made without it must not make the model batch-invariant. The
+    (kernels/plan.py): an entry made without it must not make the model batch-invariant. The
     kernels are forced (LMCLI_KERNEL, the same at both starts), so the plans agree and nothing is measured."""
     monkeypatch.setenv("LMCLI_KERNEL", "int4pack")
     _load(tiny_gguf, packed=True)

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 import lmcli
 from lmcli.cli import app
 from lmcli.generation.constraints import Constraint, ConstraintError, ConstraintMask
-from lmcli.settings import GenerationSettings, ModelDefaults
+from lmcli.settings.generation_settings import GenerationSettings, ModelDefaults
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PATTERN = r"[a-z]{2,5} [0-9]{3}!"

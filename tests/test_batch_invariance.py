@@ -125,7 +125,7 @@ def test_the_fixed_kernel_choice_is_cached_and_a_damaged_entry_is_probed_again(t
 
     import torch
 
-    from lmcli.models import kernel_plan
+    from lmcli.kernels import plan as kernel_plan
 
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     device = torch.device("cpu")

@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 from tiny import save_reference
 
-from lmcli import bench
+from lmcli.bench import main as bench
 from lmcli.errors import UsageError
 
 
@@ -97,8 +97,8 @@ def test_quick_does_less_of_everything():
 
 
 def test_sections_flag_names_its_choices():
-    from lmcli.bench_sections import SECTIONS
-    from lmcli.bench_settings import settings_from_options
+    from lmcli.bench.sections import SECTIONS
+    from lmcli.bench.settings import settings_from_options
     from lmcli.errors import UsageError
 
     assert settings_from_options(None).sections == ("engines",)

@@ -9,7 +9,7 @@ from rich.console import Console
 
 
 def test_the_section_interleaves_llama_cpp_at_batch_1_and_reports_the_ratios(monkeypatch):
-    from lmcli import bench_compiled
+    from lmcli.bench import compiled as bench_compiled
 
     calls: list[str] = []
     rates = {"eager": iter([10.0, 30.0, 20.0]), "compiled": iter([60.0, 40.0, 50.0])}

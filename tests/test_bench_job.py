@@ -1,4 +1,4 @@
-"""`lmcli bench --sections job` (lmcli/bench_job.py) on a tiny int4 model: what it reports against what
+"""`lmcli bench --sections job` (lmcli/bench/job.py) on a tiny int4 model: what it reports against what
 the test wrote into the job and counts in the rows itself."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from rich.console import Console
 
 import lmcli
-from lmcli import bench_job
+from lmcli.bench import job as bench_job
 from lmcli.generation.rows import prepare_row
-from lmcli.settings import GenerationSettings
+from lmcli.settings.generation_settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmcli.bench_report import markdown_report
+from lmcli.bench.report import markdown_report
 
 RESULTS = {
     "checkpoint": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",

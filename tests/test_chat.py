@@ -28,9 +28,9 @@ from cli_fixtures import run_lmcli, subprocess_env, tiny_checkpoint  # noqa: F40
 from real_models import smollm2_gguf  # noqa: F401
 
 import lmcli
-from lmcli.chat import ChatError, ChatSession, piped_messages
+from lmcli.chat.repl import ChatError, ChatSession, piped_messages
 from lmcli.console import ProbabilityShading, probability_style
-from lmcli.settings import GenerationSettings
+from lmcli.settings.generation_settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -486,7 +486,7 @@ def test_markdown_redraws_the_finished_reply_rendered():
 
     from rich.console import Console
 
-    from lmcli.chat import ChatOptions, _ReplyView
+    from lmcli.chat.repl import ChatOptions, _ReplyView
 
     out = io.StringIO()
     console = Console(file=out, force_terminal=True, width=60, color_system=None)

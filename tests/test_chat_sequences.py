@@ -14,7 +14,7 @@ from cli_fixtures import run_lmcli, tiny_checkpoint  # noqa: F401 (fixture)
 from test_chat import CharTokenizer, greedy, reply_text
 
 import lmcli
-from lmcli.chat import ChatSession
+from lmcli.chat.repl import ChatSession
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOP = 4

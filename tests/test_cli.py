@@ -401,9 +401,9 @@ def test_bench_hands_its_options_to_lmcli_bench(monkeypatch):
     import lmcli
 
     calls = []
-    fake = types.ModuleType("lmcli.bench")
+    fake = types.ModuleType("lmcli.bench.main")
     fake.main = lambda **options: calls.append(options)  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "lmcli.bench", fake)
+    monkeypatch.setitem(sys.modules, "lmcli.bench.main", fake)
     monkeypatch.setattr(lmcli, "bench", fake, raising=False)
     result = cli("bench", "-n", 16, "--batch-size", 4, "--prompt-tokens", 64, "--device", "cpu")
     assert result.exit_code == 0, result.stderr

@@ -24,7 +24,7 @@ from tiny import (
 )
 
 import lmcli
-from lmcli.bench_models import TEXT_PROMPTS
+from lmcli.bench.synthetic import TEXT_PROMPTS
 from lmcli.io import compiled_cache
 from lmcli.models import compiled_step
 
@@ -81,7 +81,7 @@ def _eager_and_step_logits(model, ids, mask, n, forced=None):
 
 def _mean_kl(pairs) -> float:
     """Mean KL(eager || compiled) of the next-token distributions over the steps (and rows) of `pairs`."""
-    from lmcli.bench_measure import mean_kl_divergence
+    from lmcli.bench.measure import mean_kl_divergence
 
     got = torch.cat([g for g, _ in pairs]).log_softmax(-1)
     want = torch.cat([w for _, w in pairs]).log_softmax(-1)
@@ -315,7 +315,7 @@ def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_g
     of eager's; the compiled greedy text is eager's up to the first step where eager's two best logits lie
     within twice that of each other (measured: one prompt of five parts there, at token 22); over 128
     tokens of a fixed text (the first token as the prompt) the mean KL from eager's distributions is within KL_TOLERANCE."""
-    from lmcli.bench_models import QUALITY_TEXT
+    from lmcli.bench.synthetic import QUALITY_TEXT
 
     model, tokenizer = lmcli.load(smollm2_gguf)
     rows = [torch.tensor(tokenizer.encode(p)) for p in TEXT_PROMPTS]

@@ -19,7 +19,7 @@ from tiny import (
 )
 
 import lmcli
-from lmcli.bench_models import TEXT_PROMPTS
+from lmcli.bench.synthetic import TEXT_PROMPTS
 from lmcli.generation.loop import positions_from_mask
 from lmcli.io import compiled_cache
 from lmcli.models import compiled_prefill, compiled_step
@@ -220,10 +220,10 @@ def test_the_compiled_prefill_agrees_with_eager_and_generates_the_same_greedy_to
 def test_the_bench_section_reports_the_ratio_of_the_medians():
     from rich.console import Console
 
-    from lmcli import bench_prefill
-    from lmcli.bench_sections import SECTIONS
+    from lmcli.bench import prefill as bench_prefill
+    from lmcli.bench.sections import SECTIONS
 
-    assert SECTIONS["prefill"] == "lmcli.bench_prefill"
+    assert SECTIONS["prefill"] == "lmcli.bench.prefill"
     console = Console(record=True, width=200)
     result = {"build_s": 61.0, "used": True, "autotune": False, "eager_s": [2.0, 4.0, 3.0],
               "compiled_s": [1.0, 2.0, 9.0], "eager_chunked_s": [4.0, 4.0, 4.0],

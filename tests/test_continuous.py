@@ -12,13 +12,13 @@ from cli_fixtures import build_tokenizer, tiny_checkpoint  # noqa: F401 (fixture
 from real_models import smollm2_gguf  # noqa: F401 (fixture)
 
 import lmcli
-from lmcli.bench_job import SYSTEM
+from lmcli.bench.job import SYSTEM
 from lmcli.generation import continuous
 from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.prefix_cache import PrefixCache, prefix_cache_for
 from lmcli.generation.rows import prepare_row
 from lmcli.generation.sampling import RepetitionPenalty, Temperature, TopP
-from lmcli.settings import GenerationSettings
+from lmcli.settings.generation_settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

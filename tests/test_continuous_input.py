@@ -9,8 +9,8 @@ import tracemalloc
 import pytest
 
 from lmcli.errors import UsageError
-from lmcli.job_input import JobRows, read_rows
-from lmcli.settings import GenerationSettings
+from lmcli.jobs.input import JobRows, read_rows
+from lmcli.settings.generation_settings import GenerationSettings
 
 
 def test_a_large_input_is_streamed_in_bounded_memory(tmp_path):
@@ -52,8 +52,8 @@ def test_streamed_rows_match_read_rows_and_refuse_duplicates(tmp_path):
 READ_ALL = """
 import resource, sys
 from pathlib import Path
-from lmcli.job_input import JobRows, read_rows
-from lmcli.settings import GenerationSettings
+from lmcli.jobs.input import JobRows, read_rows
+from lmcli.settings.generation_settings import GenerationSettings
 path, how = Path(sys.argv[1]), sys.argv[2]
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rows = JobRows(path, GenerationSettings()) if how == "stream" else read_rows(path, GenerationSettings())
@@ -92,7 +92,7 @@ def test_input_hash_is_the_documented_json_digest():
     import dataclasses
     import hashlib
 
-    from lmcli.settings import SPECULATION, input_hash
+    from lmcli.settings.generation_settings import SPECULATION, input_hash
 
     settings = GenerationSettings(temperature=0.5, stop=("\n\n", "é"), seed=3)
     # the settings that decide a sampled row's text: all compared fields, speculation's where set
@@ -107,7 +107,7 @@ def test_input_hash_is_the_documented_json_digest():
 def test_resume_keeps_a_record_per_finished_row_not_the_rows(tmp_path):
     """--resume reads a finished output as a stream and keeps each row's id, input hash and (shared)
     model record, never its text: 2,000 rows of 10 kB each (a 20 MB output) take about 1 MB to resume."""
-    from lmcli.jobs import output_row_key, read_finished
+    from lmcli.jobs.runner import output_row_key, read_finished
 
     model = {"name": "m", "fingerprint": "sha256:abc"}
     rows = [{"id": i, "completion": "x" * 10_000, "model": model, "input_hash": f"h{i}"} for i in range(2000)]

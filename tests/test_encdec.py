@@ -262,7 +262,7 @@ def test_mismatched_sizes_are_one_line_errors(pair, tmp_path):
 def test_quantized_linear_layers_equal_transformers_on_dequantised_weights(pair, bits):
     """--quantize int4|int8: every linear layer (and the shared embedding) whose rows split into
     groups is stored quantized; the reference is transformers with those weights dequantised."""
-    from lmcli.quant.stored import GROUP, GroupQuantized
+    from lmcli.io.group_quantized import GROUP, GroupQuantized
 
     name, _, _, directory = pair
     model, _ = load(directory, device="cpu", dtype="float32", quantize=f"int{bits}")

@@ -13,12 +13,12 @@ from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from tiny import CASES, prompts, random_reference, save_reference
 
 import lmcli
-from lmcli.models import kernels
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels import matmul as kernels
+from lmcli.kernels.linear import QuantLinear, fuse_linears
+from lmcli.kernels.matmul import build_kernel, concat_kernels
 from lmcli.models.base import BaseModel
-from lmcli.models.kernels import build_kernel, concat_kernels
 from lmcli.models.layers import MLP, Attention
-from lmcli.models.linear import QuantLinear, fuse_linears
-from lmcli.quant.stored import GroupQuantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

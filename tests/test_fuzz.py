@@ -183,7 +183,7 @@ def test_index_files(tmp_path, document, raw):
     max_size=5))
 def test_job_rows(tmp_path, lines):
     """Every line becomes a row or that row's error; a whole-file problem (duplicate ids) is a UsageError."""
-    from lmcli.jobs import GenerationSettings, read_rows
+    from lmcli.jobs.runner import GenerationSettings, read_rows
 
     path = tmp_path / "input.jsonl"
     path.write_bytes(b"\n".join(lines))
@@ -292,8 +292,8 @@ transcript_messages = st.lists(
     raw=st.none() | st.binary(max_size=40))
 def test_chat_transcripts(tmp_path, document, raw):
     """A transcript of any shape: loaded and its settings resumed, or a ChatError in one line."""
-    from lmcli.chat import load_transcript, resumed_settings
-    from lmcli.settings import GenerationSettings
+    from lmcli.chat.repl import load_transcript, resumed_settings
+    from lmcli.settings.generation_settings import GenerationSettings
 
     path = tmp_path / "transcript.json"
     path.write_bytes(json.dumps(document).encode() if raw is None else raw)

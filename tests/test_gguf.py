@@ -26,12 +26,12 @@ import real_models  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 from tiny import random_reference  # noqa: E402
 
-from lmcli import default_model  # noqa: E402
 from lmcli.errors import CheckpointError, GGUFError, LmcliError  # noqa: E402
 from lmcli.io import gguf as lmgguf  # noqa: E402
 from lmcli.io.gguf import read_gguf, write_hf_weights  # noqa: E402
 from lmcli.io.gguf_reader import read_gguf_metadata  # noqa: E402
 from lmcli.models.llama import llama3_rope_scaling  # noqa: E402
+from lmcli.resolve import default_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPT = torch.tensor([[1, 5, 9, 23, 7, 31, 2, 11, 40, 3]])  # longer than the windows below

@@ -409,8 +409,8 @@ def test_invalid_flag_values_are_usage_errors_before_loading(tmp_path, flags, me
 
 
 def test_a_job_row_with_nan_temperature_is_that_rows_error(tmp_path):
-    from lmcli.jobs import read_rows
-    from lmcli.settings import GenerationSettings
+    from lmcli.jobs.runner import read_rows
+    from lmcli.settings.generation_settings import GenerationSettings
 
     source = tmp_path / "in.jsonl"
     source.write_text('{"prompt": "a", "temperature": NaN}\n{"prompt": "b", "top_p": Infinity}\n')
@@ -651,8 +651,8 @@ def test_an_endless_input_line_is_refused_within_the_bound(dev_zero, tmp_path, m
     import tracemalloc
 
     from lmcli.io import bounded
-    from lmcli.jobs import read_rows
-    from lmcli.settings import GenerationSettings
+    from lmcli.jobs.runner import read_rows
+    from lmcli.settings.generation_settings import GenerationSettings
 
     monkeypatch.setattr(bounded, "MAX_INPUT_LINE", 4 * 2**20)  # the same rule, at a test's size
     tracemalloc.start()
@@ -707,7 +707,7 @@ def test_gguf_tensors_that_share_bytes_are_refused_and_memory_stays_bounded(tmp_
     script = _PEAK + f"""
 import torch, lmcli, lmcli.loading, lmcli.io.gguf, lmcli.io.tokenizer
 # what loading imports before it reads a header: code, not the file's cost
-import lmcli.default_model, lmcli.fingerprint, lmcli.models.base, lmcli.models.kernel_plan, lmcli.threads
+import lmcli.resolve.default_model, lmcli.io.fingerprint, lmcli.models.base, lmcli.kernels.plan, lmcli.threads
 from lmcli.errors import LmcliError
 print(peak_rss_bytes())
 try:

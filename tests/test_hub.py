@@ -59,7 +59,7 @@ def _sharded(source: Path, target: Path, negate_head: bool = False) -> Path:
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, tiny_checkpoint) -> dict[str, Path]:
     """The files the hub serves, as directories and files on disk (what `-c` runs)."""
-    from lmcli.bench_models import SyntheticLlama, write_synthetic_llama
+    from lmcli.bench.synthetic import SyntheticLlama, write_synthetic_llama
 
     root = tmp_path_factory.mktemp("hub-sources")
     found = {"main": _sharded(tiny_checkpoint, root / "main"), "v1": _sharded(tiny_checkpoint, root / "v1", True)}
@@ -86,7 +86,7 @@ def server(sources):
     ggufs = {f"tiny-{q}.gguf": sources[q].read_bytes() for q in QUANTS}
     hub.add_repo(GGUF_REPO, {**ggufs, "README.md": b"# quants\n"})
     hub.add_repo("TinyOrg/gated-GGUF", ggufs, gated=True)
-    # The hub repo the `mistral` preset names (lmcli.hub.PRESETS), here holding a tiny llama GGUF.
+    # The hub repo the `mistral` preset names (lmcli.resolve.hub.PRESETS), here holding a tiny llama GGUF.
     hub.add_repo("bartowski/Mistral-7B-Instruct-v0.3-GGUF",
                  {"Mistral-7B-Instruct-v0.3-Q4_K_M.gguf": sources["Q8_0"].read_bytes()})
     yield hub
@@ -280,7 +280,7 @@ def test_an_ambiguous_or_unknown_quant_lists_the_choices(env, server):
 
 
 def test_a_full_disk_is_refused_before_the_first_byte(env, server, monkeypatch):
-    from lmcli import hub
+    from lmcli.resolve import hub
 
     real = shutil.disk_usage
     monkeypatch.setattr(hub.shutil, "disk_usage", lambda path: real(path)._replace(free=1000))
@@ -361,7 +361,7 @@ def test_models_lists_what_was_pulled_and_rm_removes_it(env, server):
         listed = rows[f"{GGUF_REPO}/tiny-{quant}.gguf"]
         assert Path(listed[4]).name == f"tiny-{quant}.gguf" and listed[5].startswith("main ")
     assert f"{GGUF_REPO}/tiny-Q4_K_M.gguf" not in rows
-    from lmcli.hub import PRESETS  # the names table is listed too, as `lmcli pull NAME` takes it
+    from lmcli.resolve.hub import PRESETS  # the names table is listed too, as `lmcli pull NAME` takes it
 
     assert f"hub\tmistral\t{PRESETS['mistral']}" in ok("models").stdout.splitlines()
 
@@ -413,7 +413,7 @@ def test_two_pulls_of_the_same_repo_at_once_leave_it_whole(env, server, sources)
 
 def test_refs_parse_into_their_forms():
     from lmcli.errors import UsageError
-    from lmcli.hub import HubRef, parse_ref, ref_for_name
+    from lmcli.resolve.hub import HubRef, parse_ref, ref_for_name
 
     assert parse_ref("org/repo") == HubRef("org/repo", text="org/repo")
     assert parse_ref("org/repo:q4_k_m@v2") == HubRef("org/repo", "v2", "q4_k_m", text="org/repo:q4_k_m@v2")

@@ -8,8 +8,8 @@ import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from rich.console import Console
 
-from lmcli import bench
-from lmcli.bench_invariance import report
+from lmcli.bench import main as bench
+from lmcli.bench.invariance import report
 
 
 @pytest.mark.full  # four worker processes: about a minute on two busy cores

@@ -1,4 +1,4 @@
-"""Unit tests for lmcli.jobs and lmcli.streaming that need no model: stop strings, settings,
+"""Unit tests for lmcli.jobs.runner and lmcli.generation.streaming that need no model: stop strings, settings,
 JSONL input/output, resume bookkeeping, batching, and the job runner against a fake model."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ from typing import ClassVar
 import pytest
 import torch
 
-from lmcli import streaming
 from lmcli.errors import LmcliError, UsageError
+from lmcli.generation import streaming
 from lmcli.generation.rows import PreparedRow, plan_batches
-from lmcli.jobs import JobOutput, read_finished, read_rows, run_job, unescape_line
-from lmcli.settings import GenerationSettings, ModelDefaults, RowError, input_hash
-from lmcli.streaming import RowText, StopMatcher
+from lmcli.generation.streaming import RowText, StopMatcher
+from lmcli.jobs.runner import JobOutput, read_finished, read_rows, run_job, unescape_line
+from lmcli.settings.generation_settings import GenerationSettings, ModelDefaults, RowError, input_hash
 
 # ----------------------------------------------------------------------------- stop strings
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcli.models.kernels import build_kernel
-from lmcli.models.linear import QuantHead, QuantLinear
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels.linear import QuantHead, QuantLinear
+from lmcli.kernels.matmul import build_kernel
 
 
 @pytest.mark.parametrize(("name", "bits"), [("int4pack", 4), ("dequantise", 8)])

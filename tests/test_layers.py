@@ -51,51 +51,7 @@ KNOWN_EXCEPTIONS = {
 }
 
 # BEGIN OLD NAMES (relayout.py empties this dict once the files have moved)
-OLD_NAMES = {
-    "lmcli.bench": "lmcli.bench.main",
-    "lmcli.bench_compiled": "lmcli.bench.compiled",
-    "lmcli.bench_invariance": "lmcli.bench.invariance",
-    "lmcli.bench_job": "lmcli.bench.job",
-    "lmcli.bench_load": "lmcli.bench.background_load",
-    "lmcli.bench_measure": "lmcli.bench.measure",
-    "lmcli.bench_models": "lmcli.bench.synthetic",
-    "lmcli.bench_prefill": "lmcli.bench.prefill",
-    "lmcli.bench_report": "lmcli.bench.report",
-    "lmcli.bench_sections": "lmcli.bench.sections",
-    "lmcli.bench_settings": "lmcli.bench.settings",
-    "lmcli.bench_speculative": "lmcli.bench.speculative",
-    "lmcli.bench_startup": "lmcli.bench.startup",
-    "lmcli.bench_structured": "lmcli.bench.structured",
-    "lmcli.bench_worker": "lmcli.bench.worker",
-    "lmcli.chat": "lmcli.chat.repl",
-    "lmcli.chat_session": "lmcli.chat.session",
-    "lmcli.jobs": "lmcli.jobs.runner",
-    "lmcli.job_input": "lmcli.jobs.input",
-    "lmcli.job_output": "lmcli.jobs.output",
-    "lmcli.openai_batch": "lmcli.jobs.openai_batch",
-    "lmcli.runs": "lmcli.jobs.runs",
-    "lmcli.model_ref": "lmcli.resolve.model_ref",
-    "lmcli.model_names": "lmcli.resolve.model_names",
-    "lmcli.default_model": "lmcli.resolve.default_model",
-    "lmcli.fingerprint": "lmcli.io.fingerprint",
-    "lmcli.settings": "lmcli.settings.generation_settings",
-    "lmcli.decoding": "lmcli.settings.table",
-    "lmcli.model_defaults": "lmcli.settings.model_defaults",
-    "lmcli.constraint": "lmcli.settings.constraint",
-    "lmcli.streaming": "lmcli.generation.streaming",
-    "lmcli.speculation": "lmcli.generation.speculative_setup",
-    "lmcli.quant": "lmcli.kernels",
-    "lmcli.quant.stored": "lmcli.io.group_quantized",
-    "lmcli.models.kernels": "lmcli.kernels.matmul",
-    "lmcli.models.kernel_plan": "lmcli.kernels.plan",
-    "lmcli.models.linear": "lmcli.kernels.linear",
-    "lmcli.models.packed_model": "lmcli.kernels.packed_model",
-    "lmcli.models.numerics": "lmcli.kernels.numerics",
-    "lmcli.models.native_kernel": "lmcli.kernels.native_kernel",
-    "lmcli.models.kernel_base": "lmcli.kernels.base",
-    "lmcli.bench_server": "lmcli.bench.server",
-    "lmcli.hub": "lmcli.resolve.hub",
-}
+OLD_NAMES: dict[str, str] = {}
 # END OLD NAMES
 
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lmcli.models import kernel_plan, kernels
-from lmcli.models.kernels import build_kernel
-from lmcli.models.linear import QuantEmbedding, QuantLinear
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels import matmul as kernels
+from lmcli.kernels import plan as kernel_plan
+from lmcli.kernels.linear import QuantEmbedding, QuantLinear
+from lmcli.kernels.matmul import build_kernel
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's largest value
 KERNELS = {4: ["int4pack", "dequantise"], 8: ["int4pair", "dequantise"]}

@@ -16,7 +16,7 @@ first start that writes the packed entry, 354 MiB for one that maps it, against 
 230 MiB); the 1B file 914 MiB against 1,056 MiB.
 
 The default model (94 MB Q4_1) runs in `make test`. The synthetic 1.04B-parameter Q4_0 llama (590 MB,
-written once under the lmcli cache, see lmcli/bench_models.py) takes longer and runs in `make test-full`.
+written once under the lmcli cache, see lmcli/bench/synthetic.py) takes longer and runs in `make test-full`.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_default_model_peak_memory_within_bound_as_a_user_runs_it(smollm2_gguf, 
 
 @pytest.mark.full  # the 1B model takes a minute or more: make test-full
 def test_synthetic_1b_q4_0_peak_memory_within_bound(torch_import_bytes, tmp_path):
-    from lmcli.bench_models import SyntheticLlama, synthetic_llama_gguf
+    from lmcli.bench.synthetic import SyntheticLlama, synthetic_llama_gguf
 
     path = synthetic_llama_gguf()  # written once under the lmcli cache, reused after
     assert SyntheticLlama().parameter_count() >= 1_000_000_000

@@ -18,9 +18,9 @@ import pytest
 from cli_fixtures import REPO, tiny_checkpoint  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
-from lmcli import model_names
 from lmcli.cli import app
 from lmcli.errors import LmcliError, UsageError
+from lmcli.resolve import model_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,4 +1,4 @@
-"""lmcli's own C++ kernels (lmcli/native, models/native_kernel.py): against F.linear in float64 on the
+"""lmcli's own C++ kernels (lmcli/native, kernels/native_kernel.py): against F.linear in float64 on the
 dequantised weights (independent of the kernel), batch-invariant bit for bit, on each instruction-set
 path this CPU has; the fallbacks to torch's kernels; a failed build recorded once; and on the real default
 model, the distance to the float32 dequantised model no worse than torch's kernel's."""
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from lmcli import native
-from lmcli.models.kernels import Int4PackKernel, build_kernel, concat_kernels
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels.matmul import Int4PackKernel, build_kernel, concat_kernels
 
 LIBRARY = native.library()
 pytestmark = pytest.mark.skipif(LIBRARY is None, reason=f"no native library here: {native.why_not()}")
@@ -130,7 +130,7 @@ def test_threads_are_torchs(monkeypatch):
 
 
 def test_fallbacks_to_torch(monkeypatch):
-    from lmcli.models.kernel_plan import kernel_plan
+    from lmcli.kernels.plan import kernel_plan
 
     q = _quantized(4, 32, True, 64, 128)
     assert isinstance(build_kernel("native", q, torch.float32), Int4PackKernel)  # float32 activations: not native
@@ -146,7 +146,7 @@ def test_fallbacks_to_torch(monkeypatch):
 
 
 def test_the_fixed_choice_takes_native_kernels_where_they_build():
-    from lmcli.models.kernel_plan import NATIVE_DEFAULT, fixed_choice
+    from lmcli.kernels.plan import NATIVE_DEFAULT, fixed_choice
 
     for kind in ("int4", "int8"):
         chosen = fixed_choice(kind, torch.bfloat16, torch.device("cpu")).kernel
@@ -165,7 +165,7 @@ def test_a_failed_build_is_recorded_once(tmp_path):
     compiler.write_text(f"#!/bin/sh\necho x >> {calls}\necho 'error: this compiler is broken' >&2\nexit 1\n")
     compiler.chmod(0o755)
     env = {"CXX": str(compiler), "LMCLI_CACHE_DIR": str(tmp_path / "cache"), "LMCLI_KERNEL": ""}
-    code = ("import torch\nfrom lmcli import native\nfrom lmcli.models.kernel_plan import kernel_plan\n"
+    code = ("import torch\nfrom lmcli import native\nfrom lmcli.kernels.plan import kernel_plan\n"
             "print(native.library() is None, native.why_not())\n"
             "print(kernel_plan('int4', torch.bfloat16).kernel)")
     for _ in range(2):
@@ -184,7 +184,7 @@ def test_real_default_model_is_as_close_to_float32_as_torchs_kernel(smollm2_gguf
     it is no worse than torch's int4 kernel's (it keeps float32 scales and sums), and its top-1 tokens
     agree as often."""
     import lmcli
-    from lmcli.bench_measure import mean_kl_divergence
+    from lmcli.bench.measure import mean_kl_divergence
 
     monkeypatch.setenv("LMCLI_KERNEL", "dequantise")  # float32 activations times the float32 dequantised weights
     reference, tokenizer = lmcli.load(smollm2_gguf, dtype="float32", device="cpu")

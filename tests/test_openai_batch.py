@@ -16,8 +16,8 @@ import torch
 from cli_fixtures import tiny_checkpoint, tiny_spm_checkpoint  # noqa: F401 (fixtures)
 from typer.testing import CliRunner
 
-from lmcli import model_names
 from lmcli.cli import app
+from lmcli.resolve import model_names
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 NEW = 6  # tokens per row; every job runs with --ignore-eos so each row makes exactly NEW

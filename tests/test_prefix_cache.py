@@ -14,7 +14,7 @@ from test_continuous import alone, continuously, loaded, window_checkpoint  # no
 from lmcli.generation.prefix_cache import PrefixCache
 from lmcli.generation.rows import prepare_row
 from lmcli.models.cache import KVCache, ModelCache
-from lmcli.settings import GenerationSettings
+from lmcli.settings.generation_settings import GenerationSettings
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -125,7 +125,7 @@ def fresh_reply(model, tokenizer, messages: list[dict], max_new_tokens: int) -> 
 
 
 def test_chat_reuses_kept_blocks_after_a_system_switch_and_in_a_new_session(loaded):
-    from lmcli.chat_session import ChatSession
+    from lmcli.chat.session import ChatSession
 
     model, tokenizer = loaded("llama")
     settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=5, chat=True)
@@ -160,7 +160,7 @@ def test_a_ring_cache_is_never_stored(loaded):
     """A rolling layer keeps slot s at s % capacity: its keys are not a prefix's, so nothing is kept."""
     model, tokenizer = loaded("window")
     settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=4, chat=True)
-    from lmcli.chat_session import ChatSession
+    from lmcli.chat.session import ChatSession
 
     prefix = PrefixCache(block=4)
     session = ChatSession(model, tokenizer, settings, context=128, system="a system message", prefix_cache=prefix)
@@ -173,7 +173,7 @@ def test_real_default_model_repeated_and_overlapping_prompts(smollm2_gguf):
     """The default model as a job loads it: one question asked greedy and with two seeds (the repeats
     compute nothing), and questions that leave it after the shared system message."""
     import lmcli
-    from lmcli.bench_job import SYSTEM
+    from lmcli.bench.job import SYSTEM
     from lmcli.generation.prefix_cache import prefix_cache_for
 
     model, tokenizer = lmcli.load(smollm2_gguf)

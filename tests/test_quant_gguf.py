@@ -79,7 +79,7 @@ def test_native_quantized_real_model_agrees_with_transformers_float32(name, requ
     quantized model's top-1 token agrees at most positions. (Measured: see the report / README.)"""
     pytest.importorskip("transformers")
     import lmcli
-    from lmcli.models.linear import QuantEmbedding, QuantLinear
+    from lmcli.kernels.linear import QuantEmbedding, QuantLinear
 
     path = request.getfixturevalue(f"{name}_gguf")
     model, _ = lmcli.load(path, device="cpu")

@@ -17,7 +17,7 @@ pytest.importorskip("gguf")
 
 from real_models import GEMMA_PROMPT, SMOLLM2_PROMPT, gemma_gguf, model_reference, smollm2_gguf  # noqa: E402,F401
 
-from lmcli.default_model import load_gguf_cached  # noqa: E402
+from lmcli.resolve.default_model import load_gguf_cached  # noqa: E402
 
 PROMPTS = {"smollm2": SMOLLM2_PROMPT, "gemma": GEMMA_PROMPT}
 SHARED_FIELDS = ["model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",

@@ -19,7 +19,7 @@ from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.row_choice import RowChooser
 from lmcli.generation.rows import prepare_row
 from lmcli.generation.sampling import SamplingSettings
-from lmcli.settings import GenerationSettings
+from lmcli.settings.generation_settings import GenerationSettings
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ def server(tmp_path_factory, smollm2_gguf):
 def reference(smollm2_gguf):
     """`lmcli generate`'s result for a request: (prompt or messages, **flags) -> RowResult."""
     import lmcli
-    from lmcli.model_ref import resolve_model
+    from lmcli.resolve.model_ref import resolve_model
 
     resolved = resolve_model(smollm2_gguf)
     model, tokenizer = lmcli.load(resolved)
@@ -293,11 +293,11 @@ def test_port_in_use_is_one_line(server):
 def test_a_request_gets_the_settings_lmcli_generate_gets(reference, smollm2_gguf):
     """The defaults a request falls back on are `lmcli generate`'s: the model's, else lmcli's, and 512 new
     tokens under a schema (CONSTRAINED_MAX_NEW_TOKENS, as --json-schema has), whatever the route."""
-    from lmcli import openai_batch
     from lmcli.generation.constraints import one_constraint
-    from lmcli.model_ref import resolve_model
+    from lmcli.jobs import openai_batch
+    from lmcli.resolve.model_ref import resolve_model
     from lmcli.serve.requests import parse
-    from lmcli.settings import GenerationSettings
+    from lmcli.settings.generation_settings import GenerationSettings
 
     defaults = resolve_model(smollm2_gguf).defaults
     base = GenerationSettings().with_model_defaults(defaults)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lmcli.errors import LmcliError, UsageError
-from lmcli.settings import (
+from lmcli.settings.generation_settings import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
     GenerationSettings,

@@ -1,4 +1,4 @@
-"""The table of decoding settings (lmcli.decoding) and the edges it checks: settings that cannot exist
+"""The table of decoding settings (lmcli.settings.table) and the edges it checks: settings that cannot exist
 unchecked, chat transcripts refused field by field, llama.cpp's "off" values, and the table's names
 against the CLI, the job rows, transformers' GenerationConfig and the gguf package's keys."""
 
@@ -11,10 +11,10 @@ import math
 import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401
 
-from lmcli.chat import NOT_SETTABLE, ChatError, settable_names
-from lmcli.decoding import SETTINGS, SWITCH
+from lmcli.chat.repl import NOT_SETTABLE, ChatError, settable_names
 from lmcli.errors import LmcliError
-from lmcli.settings import GenerationSettings, InvalidSettings, ModelDefaults, read_model_defaults
+from lmcli.settings.generation_settings import GenerationSettings, InvalidSettings, ModelDefaults, read_model_defaults
+from lmcli.settings.table import SETTINGS, SWITCH
 
 # --- no GenerationSettings breaks a rule ------------------------------------------------------------
 
@@ -142,7 +142,7 @@ def test_the_tables_names_are_the_ones_each_place_uses():
     from typer.main import get_command
 
     from lmcli.cli import app
-    from lmcli.job_input import ROW_FIELDS
+    from lmcli.jobs.input import ROW_FIELDS
 
     # every setting GenerationSettings holds has one entry, and the other way round
     fields = {f.name for f in dataclasses.fields(GenerationSettings)} - {"sources", "model_defaults"}

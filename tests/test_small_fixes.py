@@ -116,8 +116,8 @@ def test_stats_names_the_decode_step(tiny_checkpoint):
 def test_the_decode_step_line_follows_the_models_compiled_state():
     """runs.decode_steps against the state BaseModel.compile_decode leaves: no step, a torch.compile
     function, a CachedDecode with a program for batch 1, and one without (its batch decoded eagerly)."""
+    from lmcli.jobs.runs import decode_steps
     from lmcli.models.compiled_step import CachedDecode
-    from lmcli.runs import decode_steps
 
     def cached(runners, eager):
         step = CachedDecode.__new__(CachedDecode)

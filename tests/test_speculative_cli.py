@@ -86,9 +86,10 @@ def test_the_bench_section_compares_each_method_with_plain_greedy(tiny_checkpoin
     from rich.console import Console
 
     import lmcli
-    from lmcli import bench_sections, bench_speculative
+    from lmcli.bench import sections as bench_sections
+    from lmcli.bench import speculative as bench_speculative
 
-    assert bench_sections.SECTIONS["speculative"] == "lmcli.bench_speculative"
+    assert bench_sections.SECTIONS["speculative"] == "lmcli.bench.speculative"
     model, tokenizer = lmcli.load(tiny_checkpoint)
     methods = {"plain": (model, {}), "prompt lookup": (model, {"prompt_lookup": 4})}
     rows = bench_speculative._measure_model("tiny", model, tokenizer, methods, 12, 1, lambda _: None, quick=True)

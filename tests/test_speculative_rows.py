@@ -210,7 +210,7 @@ def test_a_sampled_row_draws_as_the_api_does_with_its_seed(tiny_checkpoint, load
 
 
 def test_greedy_rows_resume_under_other_speculation_flags_sampled_rows_do_not(tiny_checkpoint, tmp_path):
-    from lmcli.settings import GenerationSettings, input_hash
+    from lmcli.settings.generation_settings import GenerationSettings, input_hash
 
     greedy, sampled = GenerationSettings.from_flags(greedy=True), GenerationSettings.from_flags(temperature=0.7)
     for base, same in ((greedy, True), (sampled, False)):

@@ -27,7 +27,7 @@ from test_gguf import write_gguf_like_llama_cpp  # noqa: E402
 
 import lmcli  # noqa: E402
 from lmcli.io import packed_cache  # noqa: E402
-from lmcli.models.linear import QuantEmbedding, QuantLinear  # noqa: E402
+from lmcli.kernels.linear import QuantEmbedding, QuantLinear  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -286,7 +286,7 @@ def test_a_start_from_the_entry_stays_within_the_memory_bound(smollm2_gguf, cach
 
 
 def test_an_entry_made_under_another_kernel_plan_is_stale(tiny_gguf, cache, capfd):
-    from lmcli.models.kernel_plan import _fixed_choice as fixed_choice
+    from lmcli.kernels.plan import _fixed_choice as fixed_choice
 
     _logits(tiny_gguf)
     assert len(_entries(cache)) == 1
@@ -316,9 +316,9 @@ def test_an_entry_made_under_another_kernel_plan_is_stale(tiny_gguf, cache, capf
 def test_the_startup_bench_section_times_each_kind_of_start(smollm2_gguf, cache, capsys):
     from rich.console import Console
 
-    from lmcli.bench_settings import BenchSettings
-    from lmcli.bench_startup import measure, report
-    from lmcli.model_ref import resolve_model
+    from lmcli.bench.settings import BenchSettings
+    from lmcli.bench.startup import measure, report
+    from lmcli.resolve.model_ref import resolve_model
 
     result = measure(BenchSettings(repeats=1, prefill_tokens=16), resolve_model(smollm2_gguf), lambda line: None)
     ran = set(result["seconds"])
@@ -335,7 +335,7 @@ def test_an_entry_written_under_another_tokenizer_keeps_the_files_own(tiny_gguf,
     from fixtures_tokenizers import build_bpe_dir
 
     from lmcli.loading import _packed_entry
-    from lmcli.model_ref import resolve_model
+    from lmcli.resolve.model_ref import resolve_model
 
     override = build_bpe_dir(tmp_path / "other") / "tokenizer.json"
     previous = os.environ[packed_cache.ENV]

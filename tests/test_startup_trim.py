@@ -18,7 +18,7 @@ from real_models import smollm2_gguf  # noqa: F401
 from lmcli import command_group
 from lmcli.errors import GGUFError
 from lmcli.io.gguf_reader import read_gguf_metadata
-from lmcli.model_defaults import read_model_defaults
+from lmcli.settings.model_defaults import read_model_defaults
 
 
 def _string(text: str) -> bytes:

@@ -14,7 +14,7 @@ from tiny import BASE, prompts, random_reference, save_reference
 
 import lmcli
 from lmcli.generation.step import Step
-from lmcli.models.numerics import Numerics
+from lmcli.kernels.numerics import Numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -65,7 +65,7 @@ def test_numerics_travel_with_the_step_not_the_model(llama):
 def test_a_quantized_prefill_in_chunks_is_the_whole_prompts_exactly(tmp_path, monkeypatch):
     """Batch-invariant numerics (int4 weights, bfloat16 products): chunking changes no bit (tiny.tiny_int4's
     recipe, inline: that fixture wants a module-scoped cache)."""
-    from lmcli.models import kernel_plan
+    from lmcli.kernels import plan as kernel_plan
 
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)

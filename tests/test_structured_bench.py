@@ -7,7 +7,7 @@ import json
 
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 
-from lmcli import bench
+from lmcli.bench import main as bench
 
 
 def test_structured_section_through_lmcli_bench(tiny_checkpoint, capsys):
@@ -24,7 +24,7 @@ def test_structured_section_through_lmcli_bench(tiny_checkpoint, capsys):
 
     from rich.console import Console
 
-    from lmcli.bench_structured import report
+    from lmcli.bench.structured import report
 
     out = StringIO()
     report(section, Console(file=out, width=200))

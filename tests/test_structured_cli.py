@@ -128,9 +128,9 @@ def test_a_bad_grammar_file_is_named(tmp_path):
 
 
 def test_chat_set_changes_the_constraint(tiny_checkpoint):
-    from lmcli.chat import ChatError, ChatSession
+    from lmcli.chat.repl import ChatError, ChatSession
     from lmcli.loading import load
-    from lmcli.settings import GenerationSettings
+    from lmcli.settings.generation_settings import GenerationSettings
 
     model, tokenizer = load(tiny_checkpoint)
     session = ChatSession(model, tokenizer, GenerationSettings.from_flags(chat=True, seed=1, max_new_tokens=8))
@@ -207,7 +207,7 @@ def test_job_rows_the_engine_or_the_vocabulary_refuse_are_error_rows(smollm2_ggu
 def test_an_openai_row_the_engine_gave_up_on_is_an_error_row():
     from types import SimpleNamespace
 
-    from lmcli.openai_batch import CHAT, response_row
+    from lmcli.jobs.openai_batch import CHAT, response_row
 
     result = SimpleNamespace(error="--json-schema: too many lexer states", text=SimpleNamespace(text='{"a'))
     row = response_row("r1", CHAT, result, "model", {"input_hash": "abc"})

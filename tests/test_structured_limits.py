@@ -214,8 +214,8 @@ def test_a_deep_schema_or_stop_list_in_chat_is_an_error_the_session_survives(tmp
     the interactive loop prints; the session keeps its settings."""
     from types import SimpleNamespace
 
-    from lmcli.chat_session import ChatError, ChatSession
-    from lmcli.settings import GenerationSettings
+    from lmcli.chat.session import ChatError, ChatSession
+    from lmcli.settings.generation_settings import GenerationSettings
 
     deep = tmp_path / "deep.json"
     deep.write_text('{"type": "array", "items": ' * 2999 + "{}" + "}" * 2999)
@@ -226,7 +226,7 @@ def test_a_deep_schema_or_stop_list_in_chat_is_an_error_the_session_survives(tmp
     with pytest.raises(ChatError, match="cannot read"):
         session.set_setting("stop", "[" * 5000 + "]" * 5000)
     assert session.settings.constraint is None and session.settings.stop == ()
-    from lmcli.chat_session import load_transcript
+    from lmcli.chat.session import load_transcript
 
     transcript = tmp_path / "deep-transcript.json"  # what `lmcli chat --resume` reads
     transcript.write_text('{"format": "lmcli-chat", "messages": ' + "[" * 5000 + "]" * 5000 + "}")
@@ -294,8 +294,8 @@ def test_a_deep_openai_response_format_is_an_error_row_wherever_it_is(tiny_check
              '"json_schema" (it has no "type")'),
 ])
 def test_response_format_refuses_what_it_does_not_take(response_format, message):
-    from lmcli.openai_batch import in_body_terms, parse_request
-    from lmcli.settings import RowError
+    from lmcli.jobs.openai_batch import in_body_terms, parse_request
+    from lmcli.settings.generation_settings import RowError
 
     request = {"custom_id": "a", "url": "/v1/chat/completions",
                "body": {"messages": [{"role": "user", "content": "hi"}], "response_format": response_format}}

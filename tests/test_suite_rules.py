@@ -37,7 +37,7 @@ def test_skips_fail_under_ci(tmp_path):
 def test_the_suite_has_its_own_cache_dir():
     cache = Path(os.environ["LMCLI_CACHE_DIR"])
     assert cache.is_dir() and cache != Path.home() / ".cache" / "lmcli"
-    from lmcli import default_model
+    from lmcli.resolve import default_model
 
     assert default_model.cache_dir() == cache
 

@@ -13,7 +13,7 @@ import torch
 from real_models import smollm2_gguf  # noqa: F401  (fixture)
 
 import lmcli
-from lmcli.bench_job import target_job_rows
+from lmcli.bench.job import target_job_rows
 
 
 def test_a_sampled_row_gives_the_same_logits_on_one_thread_and_two(smollm2_gguf):

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lmcli import bench, threads
-from lmcli.bench_load import BackgroundLoad, Loaded
+from lmcli import threads
+from lmcli.bench import main as bench
+from lmcli.bench.background_load import BackgroundLoad, Loaded
 from lmcli.cli import app
 from lmcli.errors import UsageError
 
@@ -154,7 +155,7 @@ def test_background_load_spins_only_when_asked_and_always_stops():
 
 
 def test_background_load_ends_with_its_parent():
-    code = ("import json, os, signal; from lmcli.bench_load import BackgroundLoad; load = BackgroundLoad(2); "
+    code = ("import json, os, signal; from lmcli.bench.background_load import BackgroundLoad; load = BackgroundLoad(2); "
             "load.start(); print(json.dumps(load.pids()), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == -signal.SIGKILL

@@ -39,7 +39,7 @@ from lmcli.io.tokenizer import (
 transformers = pytest.importorskip("transformers", reason="transformers is the reference (a test dependency)")
 from transformers import AutoTokenizer  # noqa: E402
 
-from lmcli.streaming import StreamDecoder  # noqa: E402
+from lmcli.generation.streaming import StreamDecoder  # noqa: E402
 
 KINDS = ["bpe", "spm", "llama_json", "gguf_llama_bpe", "gguf_qwen2", "gguf_spm", "smollm2", "gemma3"]
 STREAM_TEXTS = [

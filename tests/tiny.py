@@ -96,7 +96,7 @@ def tiny_int4(tmp_path, cache, monkeypatch):
     """A tiny llama quantized to int4 at load: bfloat16 products, batch-invariant attention (as the default
     model). `cache`: the requesting module's fixture that points LMCLI_CACHE_DIR at a scratch cache."""
     import lmcli
-    from lmcli.models import kernel_plan
+    from lmcli.kernels import plan as kernel_plan
 
     monkeypatch.delenv("LMCLI_KERNEL", raising=False)
     monkeypatch.setattr(kernel_plan, "_PROBE_SHAPE", (128, 256))

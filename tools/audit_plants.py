@@ -39,14 +39,14 @@ AREAS = {
     "threads": ("tests/test_threads.py",),
 }
 
-OB, CS, CH, SA, DC, MD, ST = ("lmcli/openai_batch.py", "lmcli/chat_session.py", "lmcli/chat.py",
-                              "lmcli/generation/sampling.py", "lmcli/decoding.py", "lmcli/model_defaults.py",
-                              "lmcli/settings.py")
-MN, FP, MR = "lmcli/model_names.py", "lmcli/fingerprint.py", "lmcli/model_ref.py"
-KE, LI, KP, QS = "lmcli/models/kernels.py", "lmcli/models/linear.py", "lmcli/models/kernel_plan.py", "lmcli/quant/stored.py"
-DI, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs.py", "lmcli/job_input.py", "lmcli/generation/rows.py"
+OB, CS, CH, SA, DC, MD, ST = ("lmcli/jobs/openai_batch.py", "lmcli/chat/session.py", "lmcli/chat/repl.py",
+                              "lmcli/generation/sampling.py", "lmcli/settings/table.py", "lmcli/settings/model_defaults.py",
+                              "lmcli/settings/generation_settings.py")
+MN, FP, MR = "lmcli/resolve/model_names.py", "lmcli/io/fingerprint.py", "lmcli/resolve/model_ref.py"
+KE, LI, KP, QS = "lmcli/kernels/matmul.py", "lmcli/kernels/linear.py", "lmcli/kernels/plan.py", "lmcli/io/group_quantized.py"
+DI, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs/runner.py", "lmcli/jobs/input.py", "lmcli/generation/rows.py"
 CO, SP, TH = "lmcli/generation/constraints.py", "lmcli/generation/speculative.py", "lmcli/threads.py"
-CN = "lmcli/constraint.py"  # the constraint as a setting (its masks are CO's)
+CN = "lmcli/settings/constraint.py"  # the constraint as a setting (its masks are CO's)
 ED, EDR, EDC = "lmcli/models/encoder_decoder.py", "lmcli/models/encoder_decoder_run.py", "lmcli/models/encoder_decoder_config.py"
 T5, BA = "lmcli/models/t5.py", "lmcli/models/bart.py"
 OPENAI_AND_STRUCTURED = (*AREAS["openai"], "tests/test_structured_cli.py::test_openai_batch_response_format")
@@ -287,10 +287,10 @@ PLANTS = [
           "torchrun ranks sharing a quiet machine spin against each other"),
 ]
 
-# --- start-up: the packed-weights cache (io/packed_cache.py, models/packed_model.py), io/atomic.py, the
+# --- start-up: the packed-weights cache (io/packed_cache.py, kernels/packed_model.py), io/atomic.py, the
 # packed entry's place in loading.py
 AREAS["startup"] = ("tests/test_startup_packed.py", "tests/test_atomic.py")
-PC, PM, AT, LO = "lmcli/io/packed_cache.py", "lmcli/models/packed_model.py", "lmcli/io/atomic.py", "lmcli/loading.py"
+PC, PM, AT, LO = "lmcli/io/packed_cache.py", "lmcli/kernels/packed_model.py", "lmcli/io/atomic.py", "lmcli/loading.py"
 STARTUP_AND_JOBS = (*AREAS["startup"], "tests/test_job_durability.py")
 PLANTS += [
     Plant("U1", "startup", PC, '"dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),',
@@ -377,5 +377,5 @@ PLANTS += [
     Plant("Q11", "continuous", CB, "                    self.batch = None\n", "                    pass\n",
           "after a batched step fails, its rows are run alone and then go on in the old batch too: written twice"),
     Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
-          "a row that fails to start goes to alone, not isolate (none: jobs.py, the one caller, makes alone isolate)"),
+          "a row that fails to start goes to alone, not isolate (none: jobs/runner.py, the one caller, makes alone isolate)"),
 ]

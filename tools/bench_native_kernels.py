@@ -18,7 +18,7 @@ import time
 import torch
 
 import lmcli
-from lmcli.default_model import default_checkpoint_path
+from lmcli.resolve.default_model import default_checkpoint_path
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from lmcli.models.kernels import build_kernel
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels.matmul import build_kernel
 
 SHAPES = [(960, 576, 4), (576, 576, 4), (3072, 576, 4), (576, 1536, 4), (49152, 576, 8)]  # (N, K, bits)
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tools/compiled_int4.py N K [ROWS,...] [--threads T] [--cpp-only]
 
-For a random (N, K) weight packed as lmcli packs it (models/kernels.py Int4PackKernel, bfloat16
+For a random (N, K) weight packed as lmcli packs it (kernels/matmul.py Int4PackKernel, bfloat16
 activations), compiles the one linear at each row count (static shapes), then reports per row count:
 the build time, what inductor's autotuner chose (its own log lines), eager and compiled ms per call
 (interleaved calls, medians), whether compiled equals eager bit for bit, and whether a row's output is
@@ -20,8 +20,8 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
-from lmcli.models.kernels import Int4PackKernel
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels.matmul import Int4PackKernel
 
 
 class _Linear(torch.nn.Module):

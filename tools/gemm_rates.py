@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from lmcli.models.kernels import Int4PackKernel
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
+from lmcli.kernels.matmul import Int4PackKernel
 
 
 def main() -> None:

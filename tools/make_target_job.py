@@ -1,6 +1,6 @@
 """Write the continuous-batching target job (issue 20) as JSONL: chat rows sharing a ~100-token system
 message, greedy and sampled at different temperatures and top-p, max_new_tokens 128 (the rows are
-lmcli.bench_job.target_job_rows, which `lmcli bench --sections job` runs).
+lmcli.bench.job.target_job_rows, which `lmcli bench --sections job` runs).
 
     python tools/make_target_job.py job.jsonl [--rows 48]
     lmcli generate --chat --input job.jsonl --output out.jsonl --stats
@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lmcli.bench_job import target_job_rows
+from lmcli.bench.job import target_job_rows
 
 
 def main() -> None:

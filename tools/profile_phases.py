@@ -135,7 +135,7 @@ def main() -> None:
     args = parser.parse_args()
     checkpoint = args.checkpoint
     if args.synthetic_1b:
-        from lmcli.bench_models import synthetic_llama_gguf
+        from lmcli.bench.synthetic import synthetic_llama_gguf
 
         checkpoint = synthetic_llama_gguf()
     if args.threads:

@@ -18,8 +18,8 @@ import os
 import statistics
 
 from lmcli import threads
-from lmcli.bench_load import BackgroundLoad, Loaded
-from lmcli.bench_measure import Worker
+from lmcli.bench.background_load import BackgroundLoad, Loaded
+from lmcli.bench.measure import Worker
 
 SETTINGS = ["default", "GOMP_SPINCOUNT=300000+OMP_WAIT_POLICY=+OMP_NUM_THREADS=2", "OMP_NUM_THREADS=1",
             "OMP_NUM_THREADS=2", "OMP_NUM_THREADS=2+OMP_WAIT_POLICY=PASSIVE",
@@ -49,7 +49,7 @@ def main() -> None:
     choice = threads.configure()  # what `default` gets (before any torch import, as in the CLI)
     print(f"lmcli's choice now: {choice.describe()}", flush=True)
     if args.checkpoint is None:
-        from lmcli.default_model import default_checkpoint_path
+        from lmcli.resolve.default_model import default_checkpoint_path
 
         args.checkpoint = str(default_checkpoint_path())
     spec = {"engine": "lmcli", "format": "native", "checkpoint": args.checkpoint, "model": None, "device": "cpu",

@@ -22,7 +22,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from lmcli.constraint import (
+from lmcli.settings.constraint import (
     CONSTRAINED_MAX_NEW_TOKENS,
     FLAGS,
     KINDS,
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
     from lmcli.io.tokenizer import Tokenizer
 
-# The constraint as a setting lives below the settings (lmcli/constraint.py); re-exported here.
+# The constraint as a setting lives below the settings (lmcli/settings/constraint.py); re-exported here.
 __all__ = [
     "CONSTRAINED_MAX_NEW_TOKENS", "FLAGS", "KINDS", "MAX_SOURCE_BYTES", "Constraint", "ConstraintError",
     "ConstraintMask", "IncompleteOutput", "constraint_from_setting", "engine_tokenizer", "one_constraint", "read_source",

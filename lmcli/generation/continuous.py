@@ -7,7 +7,7 @@ position counted within its own row. A row enters by being prefilled alone, in a
 a cached prefix of its prompt, prefix_cache.py), exactly as a single run prefills it; its keys are then
 copied into a free row of the batch, at the columns that end where the batch's next column begins,
 and it decodes with the others from the next step. On the batch-invariant path (the load's
-Numerics.batch_invariant, models/numerics.py: attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
+Numerics.batch_invariant, kernels/numerics.py: attention per row on that row's own keys in slot order, kernels that give a row the same numbers at
 any row count) a row's keys, logits and tokens are then those of its single run, whatever column it
 started at and whoever its neighbours are; each row chooses its tokens with its own processors and
 its own random stream, as `generate_batch` would for that row alone.
@@ -56,7 +56,7 @@ def use_continuous(model: Any) -> bool:
     """Whether a job runs its rows continuously (else in planned batches, rows.plan_batches): by default
     on decoder-only models whose rows are batch-invariant (only there is a row's text exactly its single
     run's); never with a model split over ranks (--tp), whose ranks decode in step, nor with speculation
-    (lmcli.speculation.SpeculatingModel), whose generate() this scheduler would bypass."""
+    (lmcli.generation.speculative_setup.SpeculatingModel), whose generate() this scheduler would bypass."""
     choice = os.environ.get(SCHEDULER_ENV, "")
     able = (hasattr(model, "forward_slots") and not getattr(model.config, "is_encoder_decoder", False)
             and getattr(model, "tensor_parallel", None) is None and getattr(model, "speculator", None) is None)

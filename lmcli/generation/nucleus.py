@@ -33,7 +33,7 @@ import math
 import numpy as np
 import torch
 
-from lmcli.decoding import SETTINGS
+from lmcli.settings.table import SETTINGS
 
 NEAR = 12.0  # the cut is looked for first among the tokens this close to the best logit (e^-12 as likely)...
 MOST_CLOSE = 4096  # ...when there are no more of them than this; then among the MOST_TOP best

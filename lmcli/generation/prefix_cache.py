@@ -38,7 +38,7 @@ def prefix_cache_for(model: Any) -> PrefixCache | None:
     default model's 118-token chat prompt prefilled from token 16, 96, 112 and 117 against one piece).
     LMCLI_PREFIX_CACHE=1 or 0 overrides the choice."""
     choice = os.environ.get(PREFIX_CACHE_ENV, "")
-    exact = model.numerics.batch_invariant  # what the load chose (models/numerics.py)
+    exact = model.numerics.batch_invariant  # what the load chose (kernels/numerics.py)
     return PrefixCache() if choice == "1" or (exact and choice != "0") else None
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcli.errors import TokenizerError
-from lmcli.settings import GenerationSettings, RowError, input_hash
+from lmcli.settings.generation_settings import GenerationSettings, RowError, input_hash
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ class RowResult:
     started: float = 0.0
     first_token_at: float | None = None
     finished_at: float | None = None
-    speculation: dict | None = None  # a speculating job row's counts (lmcli.speculation.row_counts)
+    speculation: dict | None = None  # a speculating job row's counts (lmcli.generation.speculative_setup.row_counts)
 
     @property
     def done(self) -> bool:
@@ -194,7 +194,7 @@ def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepar
 
 
 def new_result(tokenizer: Tokenizer, row: PreparedRow, started: float, encoder_decoder: bool = False) -> RowResult:
-    from lmcli.streaming import RowText
+    from lmcli.generation.streaming import RowText
 
     return RowResult(row, RowText(tokenizer, row.settings.stop, () if encoder_decoder else row.prompt_ids),
                      started=started, logprobs=[] if row.settings.logprobs is not None else None)

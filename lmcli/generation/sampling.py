@@ -2,7 +2,7 @@
 and per-row RNGs.
 
 Every transform has the uniform call `(input_ids [B, S], logits [B, V]) -> logits [B, V]` and checks
-its argument once, in __init__, by its setting's rule in lmcli.decoding (the table of settings), so
+its argument once, in __init__, by its setting's rule in lmcli.settings.table (the table of settings), so
 the CLI, job rows and generate() name a setting in their own words from `SamplingError.setting`.
 
 One road builds chains: `SamplingSettings.policy`, for settings (greedy is `temperature == 0`, as the
@@ -28,7 +28,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from lmcli.decoding import (
+from lmcli.generation.nucleus import TopP as TopP  # top-p, exact at a fraction of the sort's cost
+from lmcli.settings.table import (
     SETTINGS,
     DecodingFields,
     check_logit_bias_ids,
@@ -37,8 +38,7 @@ from lmcli.decoding import (
     check_truncation,
     is_int,
 )
-from lmcli.decoding import SamplingError as SamplingError  # raised by every processor below
-from lmcli.generation.nucleus import TopP as TopP  # top-p, exact at a fraction of the sort's cost
+from lmcli.settings.table import SamplingError as SamplingError  # raised by every processor below
 
 LogitsProcessor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -381,7 +381,7 @@ _WARPERS = (
 @dataclass(frozen=True)
 class SamplingSettings(DecodingFields):
     """The decoding settings in their convention (temperature 0 means greedy; None means off), with the
-    logit bias by token id. `check()` applies lmcli.decoding's rules; `policy()` is the one factory of
+    logit bias by token id. `check()` applies lmcli.settings.table's rules; `policy()` is the one factory of
     processor chains, for settings and for generate()'s own arguments alike. (max_new_tokens is
     generate()'s own argument: neither uses it.)"""
 

@@ -35,13 +35,13 @@ import torch
 
 from lmcli import threads
 from lmcli.config import eos_id_list
-from lmcli.decoding import SETTINGS, SamplingError
 from lmcli.generation import loop
 from lmcli.generation.sampling import LogitsProcessor, make_processor_chain, row_generators
 from lmcli.generation.speculative_batch import can_decode_together, decode_together
 from lmcli.generation.speculative_draft import DraftProposer, fits
 from lmcli.generation.speculative_sampling import accept_or_resample, draw
 from lmcli.generation.step import Step
+from lmcli.settings.table import SETTINGS, SamplingError
 
 DEFAULT_DRAFT_TOKENS = 8  # --prompt-lookup's K unless --num-draft-tokens says
 LONGEST_NGRAM = 3
@@ -50,7 +50,7 @@ MAX_PAUSE = 15  # prompt lookup's longest rest after guesses wholly rejected: te
 
 
 def check_num_draft_tokens(value: Any) -> int:
-    """num_draft_tokens by its rule (lmcli.decoding's table: an integer in [1, MAX_DRAFT_TOKENS]), for the
+    """num_draft_tokens by its rule (lmcli.settings.table's table: an integer in [1, MAX_DRAFT_TOKENS]), for the
     API and the flags; ValueError says the whole rule."""
     setting = SETTINGS["num_draft_tokens"]
     try:

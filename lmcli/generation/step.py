@@ -13,7 +13,7 @@ schedulers above it:
   or the rows together, and a draft model's own guesses.
 
 A step carries the numerics its model's load chose (kernel plan, invariance, activation dtype:
-models/numerics.py) and hands them to every forward pass; the schedulers ask it, not the model, whether
+kernels/numerics.py) and hands them to every forward pass; the schedulers ask it, not the model, whether
 rows may share a batch exactly. Whether a pass runs eagerly or through a compiled program is decided
 below it, in the model's forward_slots (models/compiled_step.py, models/compiled_prefill.py). Outside
 the models this is the one caller of `forward_slots`.
@@ -26,7 +26,7 @@ from typing import Generic
 
 import torch
 
-from lmcli.models.numerics import Numerics
+from lmcli.kernels.numerics import Numerics
 from lmcli.models.slots import CacheT, SlotModel
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcli.errors import first_line
-from lmcli.fingerprint import source_digest
+from lmcli.io.fingerprint import source_digest
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,7 +66,7 @@ def root() -> Path:
 
 def code_version() -> str:
     """lmcli's sources that decide what the compiled program computes: a program built from other code is stale."""
-    return source_digest(("models/*.py", "quant/*.py", "config.py", "io/compiled_cache.py"))
+    return source_digest(("models/*.py", "kernels/*.py", "io/group_quantized.py", "config.py", "io/compiled_cache.py"))
 
 
 def model_fingerprint(model: nn.Module) -> str:

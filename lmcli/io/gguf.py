@@ -32,7 +32,7 @@ import torch
 
 from lmcli.errors import GGUFError, TokenizerError
 from lmcli.io.gguf_reader import BF16, F16, F32, NATIVE_BLOCKS, GGUFHeader, TensorInfo, mapped_gguf
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
 
 
 @dataclass

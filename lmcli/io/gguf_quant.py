@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from lmcli.io.gguf_reader import NATIVE_BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
-from lmcli.quant.stored import GroupQuantized
+from lmcli.io.group_quantized import GroupQuantized
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lmcli.errors import first_line
-from lmcli.fingerprint import source_digest
+from lmcli.io.fingerprint import source_digest
 
 if TYPE_CHECKING:
     from lmcli.io.tokenizer import Tokenizer
@@ -63,12 +63,12 @@ def enabled() -> bool:
 def _code_version() -> str:
     """lmcli's own sources that decide what a load builds (readers, kernels, models, quantization):
     an entry written by other code is stale."""
-    return source_digest(("io/gguf*.py", "models/*.py", "quant/*.py", "loading.py", "io/packed_cache.py"))
+    return source_digest(("io/gguf*.py", "models/*.py", "kernels/*.py", "io/group_quantized.py", "loading.py", "io/packed_cache.py"))
 
 
 def cache_key(gguf_path: Path, dtype: str | torch.dtype | None, fingerprint: str) -> dict[str, Any]:
     """What an entry must have been made under to be used for loading `gguf_path` with `dtype` now;
-    `fingerprint`: the checkpoint's (lmcli.fingerprint, as the resolved model has it)."""
+    `fingerprint`: the checkpoint's (lmcli.io.fingerprint, as the resolved model has it)."""
     stat = gguf_path.stat()
     return {
         "format": FORMAT,
@@ -133,7 +133,7 @@ def tokenizer_bytes(tokenizer: Tokenizer) -> torch.Tensor:
 
 def save(header: dict[str, Any], tensors: list[torch.Tensor], tokenizer: Tokenizer | None, hf_config: dict[str, Any],
          path: Path, key: dict[str, Any], tokenizer_json: torch.Tensor | None = None) -> None:
-    """Write a model as described (`header`, `tensors`: models/packed_model.py's `describe`), its tokenizer
+    """Write a model as described (`header`, `tensors`: kernels/packed_model.py's `describe`), its tokenizer
     (`tokenizer_json`: its `tokenizer_bytes`, made now if not given) and the config it was built from as an
     entry at `path`; a one-line warning (and no entry) where that fails."""
     from lmcli.io.atomic import atomic_file

@@ -18,6 +18,8 @@ from torch import nn
 
 from lmcli.config import SLIDING, ModelConfig
 from lmcli.errors import first_line
+from lmcli.kernels.linear import WeightCounting
+from lmcli.kernels.numerics import HasNumerics, Numerics
 from lmcli.models.layers import (
     MLP,
     Attention,
@@ -27,8 +29,6 @@ from lmcli.models.layers import (
     rope_cos_sin,
     rope_inverse_frequencies,
 )
-from lmcli.models.linear import WeightCounting
-from lmcli.models.numerics import HasNumerics, Numerics
 from lmcli.models.slots import positions_from_mask
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
         # What a load chose for the arithmetic (kernel plan, invariance, activation dtype) is one frozen
-        # record, `self.numerics` (models/numerics.py), installed by the loader: no switch of its own here.
+        # record, `self.numerics` (kernels/numerics.py), installed by the loader: no switch of its own here.
         self._inverse_frequencies: dict[str, torch.Tensor] = {}
         self._compiled_decode: Callable[..., torch.Tensor] | None = None  # see compile_decode
         self._compiled_prefill: Any = None  # models/compiled_prefill.CachedPrefill, see compile_decode
@@ -123,7 +123,7 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
             del weights, parts
 
     def tie_weights(self) -> None:
-        from lmcli.models.linear import tie_quantized_head
+        from lmcli.kernels.linear import tie_quantized_head
 
         if self.config.tie_word_embeddings and not tie_quantized_head(self):
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lmcli.kernels.linear import WeightCounting
+from lmcli.kernels.numerics import HasNumerics
 from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
 from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
 from lmcli.models.layers import MLP, make_norm
-from lmcli.models.linear import WeightCounting
-from lmcli.models.numerics import HasNumerics
 from lmcli.models.slots import positions_from_mask
 
 
@@ -220,7 +220,7 @@ class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
         self.eval()
 
     def tie_weights(self) -> None:
-        from lmcli.models.linear import tie_quantized_head
+        from lmcli.kernels.linear import tie_quantized_head
 
         if self.config.tie_word_embeddings and not tie_quantized_head(self):
             self.lm_head.weight = self.model.embed_tokens.weight

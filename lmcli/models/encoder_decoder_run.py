@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from lmcli.kernels.numerics import Numerics
 from lmcli.models.cache import KVCache
-from lmcli.models.numerics import Numerics
 
 CrossKeysValues = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder block: keys, values [B, nh, S, hd]
 

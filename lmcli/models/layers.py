@@ -17,7 +17,7 @@ from torch import nn
 
 from lmcli.config import ACTIVATIONS as ACTIVATION_NAMES
 from lmcli.config import SLIDING, ModelConfig, RopeConfig
-from lmcli.models.linear import QuantLinear, fuse_linears
+from lmcli.kernels.linear import QuantLinear, fuse_linears
 
 
 class RMSNorm(nn.Module):

@@ -14,7 +14,7 @@ from typing import Protocol, TypeVar
 import torch
 
 from lmcli.config import ModelConfig
-from lmcli.models.numerics import Numerics
+from lmcli.kernels.numerics import Numerics
 
 CacheT = TypeVar("CacheT")
 

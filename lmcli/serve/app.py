@@ -1,6 +1,6 @@
 """The ASGI app: OpenAI's routes over the scheduler, with the server's limits, its key and its request log.
 
-starlette, not FastAPI: the bodies are checked by lmcli's own rules (openai_batch.py, settings.py), so
+starlette, not FastAPI: the bodies are checked by lmcli's own rules (jobs/openai_batch.py, settings/generation_settings.py), so
 FastAPI's pydantic models would be a second, diverging copy of them; plain starlette is a small
 dependency with the streaming response and disconnect detection needed here. Server-sent events are a
 StreamingResponse of `data: {...}` lines (sse-starlette's pings and event ids are not part of OpenAI's
@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from lmcli import openai_batch
+from lmcli.jobs import openai_batch
 from lmcli.serve.requests import ApiError, ServeRequest, parse
 from lmcli.serve.scheduler import TIMED_OUT, Event, QueueFull, RowSink, Scheduler
 

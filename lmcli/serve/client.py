@@ -22,7 +22,7 @@ TIMEOUT = 600.0  # seconds without a byte from the server before the client give
 SERVER_ENV = "LMCLI_SERVER"
 API_KEY_ENV = "LMCLI_API_KEY"
 
-# The decoding flags a request body carries: flag parameter -> body field (lmcli.decoding's OpenAI names).
+# The decoding flags a request body carries: flag parameter -> body field (lmcli.settings.table's OpenAI names).
 BODY_FIELDS = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
                "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed"}
 
@@ -43,7 +43,7 @@ def request_body(prompt: str, decoding: dict[str, Any], chat: bool, system: str 
             raise UsageError(f"--greedy and --temperature {decoding['temperature']:g} contradict each other; pick one")
         body["temperature"] = 0
     if decoding.get("stop"):
-        from lmcli.job_input import unescape_line
+        from lmcli.jobs.input import unescape_line
 
         body["stop"] = [unescape_line(text) for text in decoding["stop"]]
     if decoding.get("logit_bias"):

@@ -13,10 +13,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from lmcli import openai_batch
 from lmcli.errors import LmcliError
 from lmcli.generation.rows import PreparedRow, prepare_row
-from lmcli.settings import GenerationSettings, RowError
+from lmcli.jobs import openai_batch
+from lmcli.settings.generation_settings import GenerationSettings, RowError
 
 MAX_N = 8  # choices per request: each is a row of the batch
 MAX_SEED = 2**64

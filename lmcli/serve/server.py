@@ -84,7 +84,7 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
     if not use_continuous(model):
         raise LmcliError("lmcli serve needs a model whose rows run continuously (a decoder-only model on the "
                          "batch-invariant path, without --tp, --fast-kernels or speculation)")
-    from lmcli.jobs import default_batch_size
+    from lmcli.jobs.runner import default_batch_size
 
     batch_size = options.batch_size or default_batch_size(model)
     max_positions = model.config.max_position_embeddings

@@ -1,1 +1,0 @@
-"""Quantized weights in their stored form (no models, no kernels)."""
