@@ -40,7 +40,8 @@ def _kernel_classes() -> dict[str, Any]:
 # The buffers each kernel registers (kernels/matmul.py), some None: an entry must give every one, or the
 # rebuilt kernel fails at its first product (an AttributeError where the entry should have been refused).
 KERNEL_BUFFERS = {"Int4PackKernel": frozenset({"packed", "scales_and_zeros"}),
-                  "DequantiseKernel": frozenset({"codes", "scales", "offsets"})}
+                  "DequantiseKernel": frozenset({"codes", "scales", "offsets"}),
+                  "NativeKernel": frozenset({"codes", "scales", "offsets"})}
 
 
 def _plain(value: Any) -> Any:
