@@ -161,6 +161,18 @@ ThreadsOption = Annotated[int | None, _option(
     "--threads", panel=MODEL_PANEL, min=1, max=1024)]
 
 
+ServerOption = Annotated[str | None, _option(
+    "URL", "Talk to a running 'lmcli serve' (e.g. http://127.0.0.1:8000) instead of loading a model; "
+           "its key from LMCLI_API_KEY.", "--server", panel=MODEL_PANEL, envvar="LMCLI_SERVER")]
+
+
+def _refuse_local_flags(flags: dict[str, Any]) -> None:
+    """With --server: a flag about the local model is a usage error (the server has its own)."""
+    for flag, value in flags.items():
+        if value:
+            raise UsageError(f"{flag} does not apply with --server (the server has its model and settings)")
+
+
 def _use_threads(threads: int | None) -> None:
     """Thread settings before torch loads (it loads later, with the model): lmcli.threads."""
     from lmcli.threads import configure
@@ -365,9 +377,7 @@ def generate(
     tp: Annotated[int | None, _option(
         "N", "Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
         "--tp", panel=MODEL_PANEL, min=1)] = None,
-    server: Annotated[str | None, _option(
-        "URL", "Send the prompt to a running 'lmcli serve' (e.g. http://127.0.0.1:8000) instead of loading a model; "
-               "its key from LMCLI_API_KEY.", "--server", panel=MODEL_PANEL, envvar="LMCLI_SERVER")] = None,
+    server: ServerOption = None,
 ) -> None:
     """Generate a completion for PROMPT, or for every row of --input.
 
@@ -381,16 +391,20 @@ def generate(
       lmcli generate --input prompts.jsonl --output results.jsonl --resume
     """
     if server:
-        local = {"--input": input_path, "--format": output_format == OutputFormat.jsonl, "--logprobs": logprobs,
+        local = {"--format": output_format == OutputFormat.jsonl and input_path is None,
+                 "--logprobs": logprobs is not None and input_path is None,
                  "--color-probs": color_probs, "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
                  "--tp": tp, "--model": model, "--checkpoint": checkpoint, "--tokenizer": tokenizer,
                  "--quantize": quantize, "--no-truncate": no_truncate}
         from lmcli.jobs import runs
         from lmcli.serve import client
 
-        for flag, value in local.items():
-            if value:
-                raise UsageError(f"{flag} does not apply with --server (the server has its model and settings)")
+        _refuse_local_flags(local)
+        if input_path is not None:
+            _check_job_flags(prompt, input_path, output_path, None, resume, overwrite, output_format)
+            _run_remote_job(server, input_path, output_path, batch_size, resume, overwrite, stats,
+                            _settings_from_flags(decoding, chat=chat, system=system, logprobs=logprobs))
+            return
         client.generate(server, runs.read_prompt(prompt), decoding, chat=chat, system=system, stats=stats)
         return
     _use_threads(threads)
@@ -432,6 +446,23 @@ def generate(
         with _exit_when_stopped():
             runs.generate_one(text, settings, load, output_format == OutputFormat.jsonl, stats, color_probs)
             runs.speculation_summary(stats or sys.stdout.isatty())
+
+
+def _run_remote_job(server: str, input_path: Path, output_path: Path | None, concurrency: int | None, resume: bool,
+                    overwrite: bool, stats: bool, settings: Any) -> None:
+    """`generate --input FILE --server URL`: the job's rows as requests, --batch-size of them at once."""
+    from lmcli.jobs import runs
+    from lmcli.serve import client, remote_job
+
+    api_key = os.environ.get(client.API_KEY_ENV)
+    own = remote_job.server_model(server, api_key)
+    settings = settings.with_model_defaults(remote_job.model_defaults(own))  # the served model's, as local
+    job = remote_job.remote_job(server, api_key, concurrency or 8, own["model"])
+    if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")
+    with _exit_when_stopped():
+        runs.run_job(input_path, output_path, settings, None, None, resume, overwrite, stats, lambda: own["model"],
+                     job=job)
 
 
 def _spinner(text: str) -> Any:
@@ -528,6 +559,7 @@ def chat(
     draft_model: DraftModelOption = None,
     draft_quantize: DraftQuantizeOption = None,
     num_draft_tokens: NumDraftTokensOption = None,
+    server: ServerOption = None,
 ) -> None:
     """Talk with the model: a conversation over the checkpoint's chat template.
 
@@ -537,7 +569,28 @@ def chat(
 
       printf 'Hi\\nAnd again?\\n' | lmcli chat --greedy
     """
-    from lmcli.chat.repl import ChatOptions, run_chat
+    from lmcli.chat.repl import ChatOptions
+
+    options = ChatOptions(
+        markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
+        explicit=frozenset(_explicit_settings(ctx)),
+    )
+    if server:
+        _refuse_local_flags({"--model": model, "--checkpoint": checkpoint, "--quantize": quantize,
+                             "--device": device != Device.auto, "--dtype": dtype != DType.auto,
+                             "--compile": compile_decode, "--threads": threads, "--color-probs": color_probs,
+                             "--prompt-lookup": prompt_lookup, "--draft-model": draft_model})
+        from lmcli.serve import client
+        from lmcli.serve.remote_chat import run_remote_chat
+
+        body = client.request_body("", decoding, True, None)  # the flags no request field carries are refused
+        try:
+            run_remote_chat(server, body, _settings_from_flags(decoding, chat=True, system=system), options)
+        except KeyboardInterrupt:
+            sys.stderr.write("\ninterrupted\n")
+            raise typer.Exit(130) from None
+        return
+    from lmcli.chat.repl import run_chat
     from lmcli.generation import speculative_setup as speculation
 
     _use_threads(threads)
@@ -546,10 +599,6 @@ def chat(
     settings = _settings_from_flags(decoding, chat=True, system=system)
     resolved = _resolve(checkpoint, model)
     settings = settings.with_model_defaults(resolved.defaults)
-    options = ChatOptions(
-        markdown=markdown, color_probs=color_probs, stats=stats, context=context, resume=resume,
-        explicit=frozenset(_explicit_settings(ctx)),
-    )
     try:
         run_chat(lambda: speculation.wrap_loaded(
             speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode), resolved),

@@ -258,9 +258,9 @@ def test_disconnect_mid_stream_frees_the_row_and_a_slow_reader_holds_no_one_up(s
         slow.__exit__(None, None, None)
 
 
-def lmcli_with_key(*args: str) -> subprocess.CompletedProcess:
+def lmcli_with_key(*args: str, input: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "lmcli", *args], capture_output=True, timeout=CLIENT_TIMEOUT,
-                          env=subprocess_env(LMCLI_API_KEY=API_KEY))
+                          env=subprocess_env(LMCLI_API_KEY=API_KEY), input=input.encode() if input else None)
 
 
 def test_generate_with_server_prints_what_a_local_run_prints(server, smollm2_gguf):
@@ -310,3 +310,147 @@ def test_a_request_gets_the_settings_lmcli_generate_gets(reference, smollm2_gguf
         [row] = parse(openai_batch.COMPLETIONS, body, base, tokenizer, vocab, 4096, 1).rows
         want = GenerationSettings.from_flags(**flags).with_model_defaults(defaults)
         assert row.settings.used() == want.used(), body
+
+
+CHAT_INPUT = 'Hi\nName a colour.\n/set max_new_tokens 5\n/system Be brief.\nAgain?\n/undo\n"""Two\nlines"""\n'
+
+
+def test_chat_with_server_prints_what_a_local_chat_prints(server, smollm2_gguf, tmp_path):
+    """A chat on a pipe, with commands, against the server equals the same chat run locally (greedy and
+    seeded); a transcript /saved through the server resumes there as it resumes locally."""
+    for flags in (["--greedy", "-n", "10"], ["--seed", "7", "--temperature", "0.8", "-n", "8"]):
+        remote = lmcli_with_key("chat", *flags, "--server", server.url, input=CHAT_INPUT)
+        here = run_lmcli("chat", *flags, input=CHAT_INPUT)
+        assert remote.returncode == here.returncode == 0, remote.stderr
+        assert remote.stdout == here.stdout and remote.stdout.count(b"\n") == 4
+    saved = tmp_path / "t.json"
+    remote = lmcli_with_key("chat", "--greedy", "-n", "6", "--server", server.url, input=f"Hi\n/save {saved}\n")
+    assert remote.returncode == 0, remote.stderr
+    resumed = lmcli_with_key("chat", "--resume", str(saved), "--server", server.url, input="More\n")
+    assert resumed.returncode == 0 and resumed.stdout == run_lmcli("chat", "--resume", str(saved), input="More\n").stdout
+    # LMCLI_SERVER names the server; the path imports no torch; flags no request carries are one-line errors.
+    env = subprocess_env(LMCLI_SERVER=server.url, LMCLI_API_KEY=API_KEY)
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "lmcli", "chat", "--greedy", "-n", "3"],
+                           input="Hi\n", capture_output=True, text=True, env=env, timeout=120)
+    assert timed.returncode == 0 and timed.stdout.strip(), timed.stderr
+    imported = {line.split("|")[-1].strip() for line in timed.stderr.splitlines() if line.startswith("import time:")}
+    assert "lmcli.serve.remote_chat" in imported and not {"torch", "numpy", "starlette"} & imported
+    refused = lmcli_with_key("chat", "--min-p", "0.1", "--server", server.url, input="Hi\n")
+    assert refused.returncode == 2 and refused.stderr.count(b"\n") == 1 and b"--min-p" in refused.stderr
+    unset = lmcli_with_key("chat", "--server", server.url, input="Hi\n/set min_p 0.2\n")
+    assert unset.returncode == 1 and b"min_p is not supported with --server" in unset.stderr
+
+
+JOB_ROWS = [
+    {"id": 1, "prompt": "The capital of France is", "max_new_tokens": 8, "temperature": 0},
+    {"id": 2, "prompt": "Once upon a time", "max_new_tokens": 8, "seed": 5, "temperature": 0.8},
+    {"id": "c", "prompt": "Name a colour.", "max_new_tokens": 6, "seed": 11, "top_p": 0.9},
+    {"id": 4, "prompt": "Stop here: a, b", "max_new_tokens": 8, "temperature": 0, "stop": [","]},
+    {"id": 5, "prompt": "Count: 1, 2,", "max_new_tokens": 6, "seed": 2, "logit_bias": {"2": -100}},
+    {"id": 6, "prompt": ""},  # a bad row: an error row in both
+]
+OPENAI_ROWS = [
+    {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}},
+    {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "The sky is", "max_tokens": 6, "seed": 3, "logprobs": 2}},
+    {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Yo"}], "max_tokens": 5, "seed": 9, "logprobs": True,
+              "top_logprobs": 1}},
+]
+
+
+def job_rows(path) -> dict[str, dict]:
+    """A job's output rows by id (the output is in completion order); a response's `created` time apart."""
+    rows = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        body = (row.get("response") or {}).get("body")
+        if body:
+            body.pop("created")
+        rows[str(row.get("custom_id", row.get("id")))] = row
+    return rows
+
+
+def test_a_job_through_the_server_writes_a_local_jobs_rows(server, smollm2_gguf, tmp_path):
+    """`generate --input --server` writes the rows a local job writes (greedy, seeded, stop, logit_bias, bad
+    rows; lmcli rows and OpenAI batch rows with logprobs), and resumes a partial output as a local job does."""
+    for name, rows in (("rows", JOB_ROWS), ("openai", OPENAI_ROWS)):
+        given = tmp_path / f"{name}.jsonl"
+        given.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        remote, here = tmp_path / f"{name}-remote.jsonl", tmp_path / f"{name}-local.jsonl"
+        ran = lmcli_with_key("generate", "--input", str(given), "-o", str(remote), "--batch-size", "3",
+                             "--server", server.url)
+        local_run = run_lmcli("generate", "--input", str(given), "-o", str(here))
+        assert ran.returncode == local_run.returncode, ran.stderr
+        assert job_rows(remote) == job_rows(here) and len(job_rows(here)) == len(rows)
+    # Resume: two finished rows and a partial line (a kill mid-write) are kept / dropped as locally.
+    given = tmp_path / "rows.jsonl"
+    lines = (tmp_path / "rows-local.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    finished = [line for line in lines if '"error"' not in line][:2]
+    partial = tmp_path / "partial.jsonl"
+    partial.write_text("".join(finished) + lines[-1][:40], encoding="utf-8")
+    resumed = lmcli_with_key("generate", "--input", str(given), "-o", str(partial), "--resume", "--server", server.url)
+    assert resumed.returncode == 1 and b"2 already done" in resumed.stderr, resumed.stderr  # row 6 fails again
+    assert job_rows(partial) == job_rows(tmp_path / "rows-local.jsonl")
+    assert partial.read_text(encoding="utf-8").splitlines(keepends=True)[:2] == finished
+    # A row the server cannot take is that row's error; the path imports no torch.
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"id": 1, "prompt": "x", "min_p": 0.2}\n', encoding="utf-8")
+    env = subprocess_env(LMCLI_SERVER=server.url, LMCLI_API_KEY=API_KEY)
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "lmcli", "generate", "--input", str(odd)],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert timed.returncode == 1 and "min_p is not supported with --server" in json.loads(timed.stdout)["error"]
+    imported = {line.split("|")[-1].strip() for line in timed.stderr.splitlines() if line.startswith("import time:")}
+    assert "lmcli.serve.remote_job" in imported and not {"torch", "numpy", "starlette"} & imported
+
+
+def test_the_fast_path_takes_generates_flags_as_the_typer_command_declares_them():
+    """lmcli.serve.fast's table is the `generate` command's own: every flag of those parameters, with its
+    kind (switch, repeatable, number); and what it parses is what Typer hands the command."""
+    import typer.main
+    from typer.testing import CliRunner
+
+    from lmcli import cli
+    from lmcli.serve import client, fast
+
+    command = typer.main.get_command(cli.app).commands["generate"]  # type: ignore[attr-defined]
+    declared = {}
+    for param in command.params:
+        if param.name in {name for name, _ in fast.FLAGS.values()}:
+            for flag in (*param.opts, *param.secondary_opts):
+                declared[flag] = (param.name, None if param.is_flag else list if param.multiple
+                                  else param.type_descriptor.annotation if param.type_descriptor.annotation in (int, float)
+                                      else str)
+    assert declared == fast.FLAGS
+    argv = ["generate", "--greedy", "-n", "7", "--stop", "\\n", "--stop=x", "--logit-bias", "5=-1", "--chat",
+            "--system", "S", "--seed", "-3", "--max-tokens=9", "--server", "http://h:1", "Hi", "--stats"]
+    got: dict[str, Any] = {}
+    original = client.generate
+    try:
+        client.generate = lambda url, prompt, decoding, **more: got.update(url=url, prompt=prompt, **decoding, **more)
+        assert CliRunner().invoke(cli.app, argv).exit_code == 0
+    finally:
+        client.generate = original
+    values = fast.parse(argv[1:])
+    assert values is not None
+    assert {name: values[name] for name in fast.DECODING} == {name: got[name] for name in fast.DECODING}
+    assert (values["server"], values["prompt"], values["chat"], values["system"], values["stats"]) == \
+        (got["url"], got["prompt"], got["chat"], got["system"], got["stats"])
+    for other in (["--help"], ["-n5", "x"], ["--input", "f"], ["-n", "x", "y"], ["a", "b"], ["--greedy=1", "x"]):
+        assert fast.parse(other) is None, other  # the full command line's own handling (and messages)
+
+
+def test_the_fast_path_prints_what_the_full_path_prints(server):
+    env = subprocess_env(LMCLI_SERVER=server.url, LMCLI_API_KEY=API_KEY)
+    full = [sys.executable, "-c", "from lmcli.cli import main; main()"]
+    fast = [sys.executable, "-X", "importtime", "-m", "lmcli"]
+    for args in (["generate", "--greedy", "-n", "9", "The sky is"], ["generate", "--chat", "--seed", "4", "-n", "6", "Hi"],
+                 ["generate", "--min-p", "0.1", "Hi"], ["generate", "--greedy", "--temperature", "2", "Hi"]):
+        one, other = (subprocess.run([*how, *args], capture_output=True, text=True, env=env, timeout=120)
+                      for how in (fast, full))
+        assert (one.returncode, one.stdout) == (other.returncode, other.stdout), args
+        assert [line for line in one.stderr.splitlines() if not line.startswith("import time:")] == \
+            other.stderr.splitlines()
+        imported = {line.split("|")[-1].strip() for line in one.stderr.splitlines() if line.startswith("import time:")}
+        assert "lmcli.serve.fast" in imported and not {"typer", "lmcli.cli", "pydantic"} & imported

@@ -3,6 +3,7 @@ flight within its bound and exits 0; kill -9 leaves each client with a connectio
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -69,6 +70,24 @@ def test_time_limit_then_kill_9_gives_clients_a_connection_error(tmp_path, smoll
         with pytest.raises(openai.APIStatusError) as late:  # 500 tokens take far longer than 6 s here
             api.completions.create(model="x", prompt="Go:", max_tokens=500, temperature=0, logit_bias={"2": -100})
         assert late.value.status_code == 504 and "time limit of 6 s" in str(late.value)
+        # Streaming, the limit strikes after the headers: as OpenAI does, a data event holds an `error`
+        # object (no [DONE]), which the openai client raises as APIError with that object as its body.
+        stream = api.completions.create(model="x", prompt="Go:", max_tokens=500, temperature=0,
+                                        logit_bias={"2": -100}, stream=True)
+        pieces = []
+        with pytest.raises(openai.APIError) as broken:
+            for chunk in stream:
+                pieces.append(chunk.choices[0].text if chunk.choices else "")
+        assert pieces and not isinstance(broken.value, openai.APIStatusError)  # after a 200 and some text
+        assert "time limit of 6 s" in broken.value.message
+        assert broken.value.body == {"message": broken.value.message, "type": "timeout", "param": None,
+                                     "code": "request_timeout"}
+        with httpx.stream("POST", served.url + "/v1/completions", timeout=CLIENT_TIMEOUT,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"prompt": "Go:", "max_tokens": 500, "temperature": 0, "logit_bias": {"2": -100},
+                                "stream": True}) as raw:
+            events = [line for line in raw.iter_lines() if line.startswith("data:")]
+        assert raw.status_code == 200 and "error" in json.loads(events[-1][5:]) and "[DONE]" not in events[-1]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and httpx.get(served.url + "/health").json()["running"] > 0:
             time.sleep(0.1)

@@ -221,14 +221,17 @@ class ChatRepl:
                       f" {turn.dropped_messages} messages{' (the system message is kept)' if self.session.system else ''}"
                       " and recomputed the rest", style="yellow")
         view.end(turn.reply, turn.interrupted)
-        if not turn.interrupted:  # a structured reply a limit cut: said, as `generate` says it (exit 3 there)
+        # A structured reply a limit cut: said, as `generate` says it (exit 3 there); not for a server's
+        # reply (lmcli.serve.remote_chat: no tokenizer here to check it with).
+        if not turn.interrupted and self.session.tokenizer is not None:
             from lmcli.jobs.runs import incomplete_output
 
             cut = incomplete_output(turn.result, self.session.tokenizer, self.session.model.config)
             if cut is not None:
                 self.note(f"warning: {cut}", style="yellow")
         if self.options.stats:
-            self.note(_turn_summary(turn))
+            summary = getattr(turn, "summary", None)  # a turn from a server (lmcli.serve.remote_chat) says its own
+            self.note(summary() if summary is not None else _turn_summary(turn))
             speculator = getattr(self.session.model, "speculator", None)  # lmcli.generation.speculative_setup: the chat's totals
             if speculator is not None:
                 self.note(speculator.summary())

@@ -166,19 +166,22 @@ def decode_steps(model) -> str:
     return f"decode step: compiled program (batch {', '.join(map(str, ran))})"
 
 
-def run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None) -> None:
+def run_job(input_path, output_path, settings, load, batch_size, resume, overwrite, stats, identity, tp=None,
+            job: Callable[..., Any] | None = None) -> None:
     """A batch job (under torchrun: its share of one), then its summary; failed rows make it exit 1."""
-    from lmcli import distributed
     from lmcli.console import job_summary, print_dim, rows_text
-    from lmcli.jobs import runner as jobs
 
-    job: Callable[..., Any] = jobs.run_job
     quiet = False
-    if distributed.world_size() > 1:  # under torchrun: with --tp the ranks share the model, else the rows
-        job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
-        quiet = not distributed.is_output_rank()
-    elif output_path is not None:
-        distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
+    if job is None:  # else another job function (lmcli.serve.remote_job: the rows run on a server, no torch)
+        from lmcli import distributed
+        from lmcli.jobs import runner as jobs
+
+        job = jobs.run_job
+        if distributed.world_size() > 1:  # under torchrun: with --tp the ranks share the model, else the rows
+            job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
+            quiet = not distributed.is_output_rank()
+        elif output_path is not None:
+            distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
     try:
         report = job(
             input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite,

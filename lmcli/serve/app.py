@@ -49,6 +49,7 @@ class ServerState:
     log_format: str = "text"
     ids: Any = field(default_factory=lambda: itertools.count(1))
     draining: bool = False  # SIGTERM: no new request is admitted
+    model_record: dict[str, Any] | None = None  # lmcli's {"name", "fingerprint"}: what a job row records
 
     def log(self, record: dict[str, Any]) -> None:
         record = {key: value for key, value in record.items() if value is not None}
@@ -74,8 +75,13 @@ def build_app(state: ServerState) -> Starlette:
     async def models(request: Request) -> Response:
         if (refused := _refuse_key(state, request)) is not None:
             return refused
+        # An extension member, "lmcli": what `lmcli generate --input --server` needs to write the rows a
+        # local job writes (the model's record and sampling defaults, the context).
+        defaults = state.base.model_defaults
+        own = {"model": state.model_record or {"name": state.model_name, "fingerprint": state.fingerprint},
+               "defaults": {"values": dict(defaults.values), "source": defaults.source}, "context": state.context}
         return JSONResponse({"object": "list", "data": [
-            {"id": state.model_name, "object": "model", "created": 0, "owned_by": "lmcli"}]})
+            {"id": state.model_name, "object": "model", "created": 0, "owned_by": "lmcli", "lmcli": own}]})
 
     async def chat(request: Request) -> Response:
         return await _completion(state, request, openai_batch.CHAT)
@@ -260,11 +266,15 @@ class _Exchange:
         body = openai_batch.response_body(self.parsed.url, self.results, self.state.model_name,
                                           self.id.split("-", 1)[1], self.state.fingerprint)
         body["id"], body["created"] = self.id, self.created
+        # An extension member, one entry per choice: lmcli's own finish reason ("eos" and "stop" are both
+        # OpenAI's "stop"), the seed the row sampled with and its logprobs as a job row records them.
+        body["lmcli"] = [{"finish_reason": result.finish_reason, "seed": result.row.seed,
+                          "logprobs": result.logprobs} for result in self.results]
         return JSONResponse(body)
 
     async def chunks(self, first: tuple[int, Event]) -> AsyncIterator[bytes]:
         """The SSE stream: a role chunk per choice (chat), then each event as a chunk, the usage chunk when
-        asked for, then [DONE]. A row that fails mid-stream ends it with an error event."""
+        asked for, then [DONE]. A row that fails mid-stream ends it with an error event instead of [DONE]."""
         chat = self.parsed.url == openai_batch.CHAT
         if chat:
             for index in range(len(self.sinks)):
@@ -274,8 +284,10 @@ class _Exchange:
         chars = [len(row.prompt) if isinstance(row.prompt, str) else 0 for row in self.parsed.rows]
         while True:
             if isinstance(got, ApiError):
+                # OpenAI's way after the headers: a data event holding an `error` object, and no [DONE]
+                # (the openai client raises APIError on it, with that object as the body).
                 yield _sse(got.body())
-                break
+                return
             index, event = got
             if event.kind == "token":
                 steps = event.logprobs if self.parsed.rows[index].settings.logprobs is not None else None

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import IO, Any
 
 from lmcli.errors import LmcliError, UsageError
@@ -86,7 +86,43 @@ def _connection(url: str) -> tuple[http.client.HTTPConnection, str]:
     return kind(parts.hostname, parts.port, timeout=TIMEOUT), path
 
 
-def events(url: str, endpoint: str, body: dict[str, Any], api_key: str | None) -> Iterator[dict[str, Any]]:
+class ServerAnswered(LmcliError):
+    """The server answered with an error status (`status`)."""
+
+    def __init__(self, status: int, message: str, detail: str):
+        super().__init__(message)
+        self.status, self.detail = status, detail  # detail: the server's own message
+
+
+def request_json(url: str, method: str, endpoint: str, body: dict[str, Any] | None,
+                 api_key: str | None) -> dict[str, Any]:
+    """A request that is not streamed, its JSON answer; ServerAnswered for an error status, LmcliError in
+    one line for an unreachable server."""
+    connection, path = _connection(url)
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    try:
+        connection.request(method, path + endpoint, json.dumps(body).encode() if body is not None else None, headers)
+        response = connection.getresponse()
+        raw = response.read()
+        if response.status != 200:
+            detail = _message(raw)
+            raise ServerAnswered(response.status, f"the server at {url} answered {response.status}: {detail}", detail)
+        answer = json.loads(raw)
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+        return answer
+    except ValueError as e:
+        raise LmcliError(f"the server at {url} answered with no JSON object ({e})") from None
+    except (OSError, http.client.HTTPException) as e:
+        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise LmcliError(f"cannot reach the server at {url}: {reason}") from None
+    finally:
+        connection.close()
+
+
+def events(url: str, endpoint: str, body: dict[str, Any], api_key: str | None) -> Generator[dict[str, Any], None, None]:
     """The server's stream for this request, one parsed `data:` payload at a time; LmcliError in one line for
     an unreachable server, an error status or an error event."""
     connection, path = _connection(url)

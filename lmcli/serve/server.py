@@ -95,7 +95,7 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
     state = ServerState(scheduler, tokenizer, model.config.vocab_size, base, model_record["name"],
                         model_record["fingerprint"], context, max_body=options.max_body,
                         timeout=options.request_timeout, api_key=options.api_key or None,
-                        log_format=options.log_format)
+                        log_format=options.log_format, model_record=model_record)
     scheduler.start()
 
     class Server(uvicorn.Server):
