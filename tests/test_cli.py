@@ -398,13 +398,13 @@ def test_terminal_shows_the_prompt_dimmed_then_the_stream_and_a_summary(tiny_che
 def test_bench_hands_its_options_to_lmcli_bench(monkeypatch):
     import types
 
-    import lmcli
+    import lmcli.bench
 
     calls = []
     fake = types.ModuleType("lmcli.bench.main")
     fake.main = lambda **options: calls.append(options)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "lmcli.bench.main", fake)
-    monkeypatch.setattr(lmcli, "bench", fake, raising=False)
+    monkeypatch.setattr(lmcli.bench, "main", fake, raising=False)  # `from lmcli.bench import main`
     result = cli("bench", "-n", 16, "--batch-size", 4, "--prompt-tokens", 64, "--device", "cpu")
     assert result.exit_code == 0, result.stderr
     assert calls == [dict(device="cpu", dtype="auto", max_new_tokens=16, batch_size=4, prompt_tokens=64)]
