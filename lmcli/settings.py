@@ -111,6 +111,38 @@ class GenerationSettings(DecodingFields):
             raise InvalidSettings(e, self._greedy_note(e), self._name_by_source) from None
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        self._settle_beams()
+
+    def _settle_beams(self) -> None:
+        """Beam search (num_beams > 1) chooses tokens itself, without sampling: the temperature becomes 0 and
+        the sampling-only settings are dropped. A user's own beams (a flag or a row) with sampling settings,
+        speculation, structured output or logprobs of their own is InvalidSettings; the model's default beams
+        give way to them instead."""
+        if (self.num_beams or 1) <= 1:
+            return
+        own = lambda name: self.source(name) in (FLAG, ROW)  # noqa: E731
+        sampling = [name for name in ("temperature", *SAMPLING_ONLY) if own(name) and getattr(self, name)]
+        other = [name for name in ("prompt_lookup", "draft_model") if getattr(self, name)]
+        other += ["constraint"] if self.constraint is not None else []
+        other += ["logprobs"] if self.logprobs is not None else []
+        if sampling or other:
+            if own("num_beams"):
+                clash = (sampling + other)[0]
+                raise InvalidSettings(SamplingError(
+                    "num_beams", "cannot be combined (beam search does not sample, speculate, constrain or give logprobs)",
+                    other=clash),
+                                      "", self._name_by_source)
+            for name in ("num_beams", "length_penalty", "early_stopping"):
+                object.__setattr__(self, name, None)
+            return
+        object.__setattr__(self, "temperature", 0.0)
+        for name in SAMPLING_ONLY:
+            object.__setattr__(self, name, None)
+
+    @property
+    def beams(self) -> int:
+        """How many beams: 1 means no beam search."""
+        return self.num_beams or 1
 
     def _greedy_note(self, problem: SamplingError) -> str:
         where = self.source("temperature")
@@ -295,7 +327,10 @@ class GenerationSettings(DecodingFields):
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
         sampling = (value for name, value in self._decoding().items() if name != "max_new_tokens")
-        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs, *(getattr(self, n) for n in SPECULATION))
+        # Beam search's result depends on its length limit: beam rows share max_new_tokens too.
+        beams = self.max_new_tokens if self.beams > 1 else None
+        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs, *(getattr(self, n) for n in SPECULATION),
+                beams)
 
     def used(self) -> dict[str, Any]:
         """The decoding settings in effect (those that are on), as JSON output records them."""
