@@ -347,7 +347,15 @@ class GenerationSettings(DecodingFields):
         for name in ("max_new_tokens", "temperature", *SAMPLING_ONLY, "repetition_penalty"):
             value = getattr(self, name)
             shown = "off" if value is None else ("0 (greedy)" if name == "temperature" and value == 0 else f"{value:g}")
+            if name == "temperature" and self.beams > 1:
+                shown = "0 (beam search)"
             rows.append((name, shown, self.source(name)))
+        if self.beams > 1:  # the model's own beams (or the flags'), as its generation_config.json asks
+            early = {True: "true", False: "false", None: "false", "never": "never"}[self.early_stopping]
+            length = 1.0 if self.length_penalty is None else self.length_penalty
+            rows += [("num_beams", str(self.beams), self.source("num_beams")),
+                     ("length_penalty", f"{length:g}", self.source("length_penalty")),
+                     ("early_stopping", early, self.source("early_stopping"))]
         return rows
 
 
@@ -428,6 +436,9 @@ def input_hasher(settings: GenerationSettings) -> Callable[[Any], str]:
     json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)."""
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
               if f.compare and f.name not in SPECULATION}
+    for name in ("num_beams", "length_penalty", "early_stopping"):  # newer than the hashes of earlier outputs
+        if values[name] is None:
+            del values[name]
     if not settings.greedy:  # speculation leaves greedy text as it is, and draws a sampled row's differently
         values.update({name: getattr(settings, name) for name in SPECULATION if getattr(settings, name)})
     tail = (', "settings": ' + json.dumps(values, sort_keys=True, ensure_ascii=False) + "}").encode("utf-8")

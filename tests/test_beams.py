@@ -143,7 +143,7 @@ def test_beam_search_refuses_what_it_does_not_do(decoder, kwargs):
 # --- encoder-decoders ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["t5", "bart"])
+@pytest.fixture(scope="module", params=["t5", "bart", "marian"])
 def encdec(request, tmp_path_factory):
     from test_encdec import FAMILIES, _randomise
 
@@ -153,14 +153,14 @@ def encdec(request, tmp_path_factory):
     reference.save_pretrained(directory)
     reference = type(reference).from_pretrained(directory).eval()
     model, _ = lmcli.load(directory, device="cpu", dtype="float32")
-    return reference, model
+    return reference, model, directory
 
 
 @pytest.mark.parametrize("options", OPTIONS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_encoder_decoder_beams_equal_transformers(encdec, options):
     from test_encdec import inputs
 
-    reference, model = encdec
+    reference, model, _ = encdec
     ids, mask = inputs([6, 9], seed=2)  # right padding: transformers' BART numbers positions by column
     with torch.no_grad():
         greedy = reference.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=4, num_beams=1,
@@ -177,9 +177,34 @@ def test_encoder_decoder_beams_equal_transformers(encdec, options):
 
 
 def test_encoder_runs_once_per_input(encdec, monkeypatch):
-    _, model = encdec
+    _, model, _ = encdec
     seen = []
     encode = model.encode
     monkeypatch.setattr(model, "encode", lambda ids, mask: seen.append(ids.shape[0]) or encode(ids, mask))
     model.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), 5, do_sample=False, num_beams=4)
     assert seen == [2]
+
+
+def test_config_bad_words_are_banned_in_the_beam_scores_as_transformers_does(encdec, tmp_path):
+    """opus-mt's config.json bans its pad token: transformers bans it in the log-softmax scores, so the
+    other tokens' scores are not renormalised without it."""
+    import json
+    import shutil
+
+    from test_encdec import inputs
+
+    reference, model, directory = encdec
+    ids, mask = inputs([7, 5], seed=6)
+    with torch.inference_mode():
+        banned = int(model.generate(ids, 3, do_sample=False, attention_mask=mask, num_beams=3)[0, 1])
+    shutil.copytree(directory, tmp_path / "banned")
+    config = json.loads((directory / "config.json").read_text())
+    config["bad_words_ids"] = [[banned]]
+    (tmp_path / "banned" / "config.json").write_text(json.dumps(config))
+    banning, _ = lmcli.load(tmp_path / "banned", device="cpu", dtype="float32")
+    want = hf_beams(reference, ids, mask, 8, num_beams=3, eos_token_id=None, bad_words_ids=[[banned]])
+    with torch.inference_mode():
+        got = banning.generate(ids, 8, do_sample=False, attention_mask=mask, pad_token_id=PAD, num_beams=3,
+                               output_scores=True)
+    assert banned not in got[0][:, 1:].flatten().tolist()
+    assert_same(got, want)

@@ -51,6 +51,19 @@ def check_beam_settings(num_beams: Any, length_penalty: Any, early_stopping: Any
                          f"got {num_return_sequences!r}")
 
 
+class _Banned:
+    """Tokens that are never chosen: -inf in the scores."""
+
+    needs_history = False
+
+    def __init__(self, token_ids: list[int]):
+        self.token_ids = token_ids
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.token_ids] = float("-inf")
+        return scores
+
+
 def _gather(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """tensor [B, K, ...] -> [B, J, ...] at beams index [B, J] (transformers' _gather_beams)."""
     while index.dim() < tensor.dim():
@@ -68,7 +81,14 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
     their scores [B * R] float (transformers' `sequences_scores`)."""
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
-    chain = ProcessorChain(logits_processors or [])
+    processors = list(logits_processors or [])
+    banned = list(getattr(model.config, "suppressed_token_ids", None) or [])
+    if banned and getattr(model, "suppress_in_logits", False):
+        # An encoder-decoder's config.json bad_words_ids: transformers bans them in the log-softmax scores
+        # (NoBadWordsLogitsProcessor), which differs from banning them in the logits once scores are summed.
+        model.suppress_in_logits = False  # type: ignore[attr-defined]
+        processors.insert(0, _Banned(banned))
+    chain = ProcessorChain(processors)
     eos = eos_id_list(eos_token_id)
     fill = pad_token_id if pad_token_id is not None else (eos[0] if eos else 0)
     device = model.device

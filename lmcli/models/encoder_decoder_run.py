@@ -97,6 +97,9 @@ class DecoderRun:
         # The decoder reads nothing of a numerics record (its kernels sit in its modules; attention is
         # plain, in the parameters' dtype): the step is handed the default one.
         self.numerics = Numerics()
+        # config.json's banned tokens are -inf in the logits; beam search bans them in its log-softmax
+        # scores instead, as transformers' processor does there (generation/beams.py turns this off).
+        self.suppress_in_logits = True
 
     def fit_to_positions(self, max_new_tokens: Any) -> Any:
         """max_new_tokens, lowered (with a one-line warning) so that the start token and the new
@@ -130,6 +133,6 @@ class DecoderRun:
             mask = cache.encoder_mask if cache.encoder_mask is not None else self.encoder_mask
             logits = self.model.decode(input_ids, positions, query_slots, cache.cross, mask, cache.layers, last_only)
         suppressed = self.model.config.suppressed_token_ids
-        if suppressed:
+        if suppressed and self.suppress_in_logits:
             logits[..., suppressed] = float("-inf")
         return logits
