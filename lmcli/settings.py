@@ -46,7 +46,7 @@ from lmcli.decoding import (
 )
 from lmcli.decoding import ROW_SETTINGS as ROW_SETTINGS
 from lmcli.errors import LmcliError, UsageError
-from lmcli.model_defaults import MODEL_SETTINGS, ModelDefaults, checked_model_defaults
+from lmcli.model_defaults import MODEL_SETTINGS, RULES, ModelDefaults, checked_model_defaults, checked_rules
 from lmcli.model_defaults import read_model_defaults as read_model_defaults
 
 DEFAULT_TEMPERATURE = 0.8
@@ -399,12 +399,16 @@ def _saved_sources(value: Any, where: str) -> dict[str, str]:
 
 
 def _saved_model_defaults(value: Any, where: str) -> ModelDefaults:
-    if (not isinstance(value, dict) or set(value) - {"values", "source"} or not isinstance(value.get("values", {}), dict)
+    if (not isinstance(value, dict) or set(value) - {"values", "source", "rules"}
+            or not isinstance(value.get("values", {}), dict) or not isinstance(value.get("rules", {}), dict)
             or not isinstance(value.get("source", ""), str)):
         raise SamplingError("model_defaults", 'must be an object {"values": {setting: value}, "source": file}',
                             shown=json.dumps(value, default=repr))
     checked = checked_model_defaults(value.get("values", {}), f'{where}: "model_defaults"')
-    return ModelDefaults(checked.values, value.get("source", ""))
+    rules = value.get("rules", {})
+    if set(rules) - set(RULES):
+        raise SamplingError("model_defaults", f"has an unknown rule {sorted(set(rules) - set(RULES))[0]!r}")
+    return ModelDefaults(checked.values, value.get("source", ""), checked_rules(rules, f'{where}: "model_defaults"'))
 
 
 # What a transcript saves besides the settings themselves.

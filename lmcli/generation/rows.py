@@ -189,6 +189,8 @@ def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepar
         prompt_length=1 if encoder_decoder else width,
         pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size, constraints=constraints,
+        rules=settings.model_defaults.rules,
+        max_length=(1 if encoder_decoder else width) + max(r.settings.max_new_tokens for r in rows),
     )
     return BatchPolicy(do_sample, processors, stop_at_eos, pad_id)
 
