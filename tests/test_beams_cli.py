@@ -111,3 +111,23 @@ def test_beams_with_what_they_do_not_do_is_a_one_line_error(t5_dir, flags):
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and ("num-beams" in lines[0] or "early-stopping" in lines[0]), lines
+
+
+def test_a_chat_turn_decodes_without_the_models_beams_and_refuses_the_users(t5_dir):
+    """A chat continues its cache (generate_batch's `run`), which beam search does not: the model's own
+    beams give way to greedy decoding; the user's own --num-beams is a one-line error."""
+    from lmcli.errors import UsageError
+    from lmcli.generation.rows import generate_batch, prepare_row
+    from lmcli.loading import load
+    from lmcli.settings import GenerationSettings, read_model_defaults
+
+    model, tokenizer = load(t5_dir, device="cpu", dtype="float32")
+    own = GenerationSettings.from_flags(max_new_tokens=8).with_model_defaults(read_model_defaults(t5_dir))
+    assert own.beams == 3
+    row = prepare_row(tokenizer, 1, PROMPTS[0], own)
+    [result] = generate_batch(model, tokenizer, [row], run=model.generate)
+    assert result.text.finish() == "" and tokenizer.decode(result.tokens, skip_special_tokens=True) == reference(
+        t5_dir, PROMPTS[0], 8, num_beams=1, do_sample=False)
+    users = GenerationSettings.from_flags(max_new_tokens=8, num_beams=2)
+    with pytest.raises(UsageError):
+        generate_batch(model, tokenizer, [prepare_row(tokenizer, 1, PROMPTS[0], users)], run=model.generate)

@@ -6,6 +6,7 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcli.errors import TokenizerError
-from lmcli.settings import GenerationSettings, RowError, input_hash
+from lmcli.settings import FLAG, ROW, GenerationSettings, RowError, input_hash
 
 if TYPE_CHECKING:
     import torch
@@ -315,9 +316,14 @@ def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepare
 
     from lmcli.errors import UsageError
 
-    if run is not None:
-        raise UsageError("beam search (--num-beams) is not available in chat")
     settings = rows[0].settings
+    if run is not None:  # a chat continues its cache, one row: beam search does not
+        if settings.source("num_beams") in (FLAG, ROW):
+            raise UsageError("beam search (--num-beams) is not available in chat")
+        # The model's own beams give way (decoding greedily, as beam search does not sample either).
+        plain = [dataclasses.replace(r, settings=dataclasses.replace(
+            r.settings, num_beams=None, length_penalty=None, early_stopping=None)) for r in rows]
+        return generate_batch(model, tokenizer, plain, on_text=on_text, on_done=on_done, run=run)
     k = settings.beams
     width = max(len(r.prompt_ids) for r in rows)
     # The processors see each beam as a row: each row's policy (its padding) once per beam.
