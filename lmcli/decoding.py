@@ -242,7 +242,8 @@ SETTINGS = _table(
     # OpenAI's bounds for its two penalties and its logit_bias.
     Setting("presence_penalty", NUMBER, low=-2, high=2, off=0.0, flag="--presence-penalty", row=True),
     Setting("frequency_penalty", NUMBER, low=-2, high=2, off=0.0, flag="--frequency-penalty", row=True),
-    Setting("no_repeat_ngram_size", INTEGER, low=1, off=0, flag="--no-repeat-ngram-size", row=True),
+    Setting("no_repeat_ngram_size", INTEGER, low=1, off=0, flag="--no-repeat-ngram-size", row=True,
+            hf="no_repeat_ngram_size"),
     Setting("min_new_tokens", INTEGER, low=0, off=0, flag="--min-new-tokens", row=True),
     # Beam search (generation/beams.py), as transformers': a model's generation_config.json may ask for it.
     Setting("num_beams", INTEGER, low=1, off=1, note="(1 means none)", flag="--num-beams", row=True, hf="num_beams"),

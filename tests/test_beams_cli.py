@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPTS = ["translate English to German: the house is wonderful", "summarize: a cat sat on the mat and slept",
            "the quick brown fox"]
-OWN = {"num_beams": 3, "length_penalty": 1.5, "early_stopping": True}  # the model's generation_config.json
+OWN = {"num_beams": 3, "length_penalty": 1.5, "early_stopping": True, "no_repeat_ngram_size": 2}  # its generation_config.json
 
 
 @pytest.fixture(scope="module")
