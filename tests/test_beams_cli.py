@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from test_encdec_cli import _t5_tokenizer
 from typer.testing import CliRunner
 
@@ -131,3 +132,23 @@ def test_a_chat_turn_decodes_without_the_models_beams_and_refuses_the_users(t5_d
     users = GenerationSettings.from_flags(max_new_tokens=8, num_beams=2)
     with pytest.raises(UsageError):
         generate_batch(model, tokenizer, [prepare_row(tokenizer, 1, PROMPTS[0], users)], run=model.generate)
+
+
+def test_a_continuous_job_of_beam_and_sampled_rows_equals_each_row_alone(tiny_checkpoint, tmp_path):
+    """On a decoder-only model rows run continuously; beam rows run apart, each as it runs alone."""
+    rows = [{"id": "s1", "prompt": "hello there", "temperature": 0.9, "seed": 1},
+            {"id": "b1", "prompt": "the quick brown", "num_beams": 3, "temperature": 0},
+            {"id": "s2", "prompt": "once upon", "seed": 2},
+            {"id": "b2", "prompt": "a b c d", "num_beams": 2, "length_penalty": 0.5, "early_stopping": "never"}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "-n", "6", "--input", str(source),
+                                      "--output", str(output), "--batch-size", "3"])
+    assert result.exit_code == 0, result.output
+    got = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    assert got["b1"]["settings"]["num_beams"] == 3 and got["b2"]["settings"]["early_stopping"] == "never"
+    for row in rows:
+        flags = [f"--{key.replace('_', '-')}={value}" for key, value in row.items() if key not in ("id", "prompt")]
+        alone = json.loads(run("-c", str(tiny_checkpoint), "-n", "6", "--format", "jsonl", *flags, row["prompt"]))
+        assert got[row["id"]]["completion"] == alone["completion"], row["id"]
