@@ -200,6 +200,14 @@ def _decoding_options(
     frequency_penalty: Annotated[float | None, _option(
         "X", "Subtract this times the count of each token already generated, in [-2, 2].")] = None,
     no_repeat_ngram_size: Annotated[int | None, _option("N", "Never repeat an N-token sequence already in the text.")] = None,
+    num_beams: Annotated[int | None, _option(
+        "N", "Beam search with N beams, as transformers' (default: the model's, else 1: none). Not with sampling "
+             "flags, speculation or structured output.")] = None,
+    length_penalty: Annotated[float | None, _option(
+        "X", "Beam search: a finished beam's score is its log-probability / length**X (default: the model's, else 1).")] = None,
+    early_stopping: Annotated[str | None, _option(
+        "WHEN", "Beam search: true (stop once N beams are finished), false (when none can improve; the default) "
+                "or never.")] = None,
     logit_bias: Annotated[list[str] | None, _option(
         "TOKEN=BIAS", "Add BIAS (-100 to 100) to a token's logit; TOKEN is an id or text that is one token (repeatable).",
         "--logit-bias")] = None,
@@ -264,6 +272,11 @@ def _settings_from_flags(decoding: DecodingFlags, **others: Any):
     flags = dict(decoding)
     logit_bias, stop = flags.pop("logit_bias"), flags.pop("stop")
     constraint = _constraint_from_flags(flags)  # pops its four flags
+    if flags.get("early_stopping") is not None:
+        words = {"true": True, "false": False, "never": "never"}
+        if flags["early_stopping"].lower() not in words:
+            raise UsageError(f"--early-stopping must be true, false or never, got {flags['early_stopping']!r}")
+        flags["early_stopping"] = words[flags["early_stopping"].lower()]
     return GenerationSettings.from_flags(
         **flags, constraint=constraint,
         logit_bias=parse_logit_bias(logit_bias),

@@ -232,7 +232,7 @@ def test_runs_in_inference_mode(model):
     assert out.is_inference() and not out.requires_grad
 
 
-@pytest.mark.parametrize("kwargs", [{"max_length": 10}, {"num_beams": 2}, {"seeds": 1}, {"on_step": print}])
+@pytest.mark.parametrize("kwargs", [{"max_length": 10}, {"num_beam": 2}, {"seeds": 1}, {"on_step": print}])
 def test_unknown_keyword_is_type_error(model, kwargs):
     with pytest.raises(TypeError):
         model.generate(torch.stack(prompts([5])), 3, do_sample=False, **kwargs)

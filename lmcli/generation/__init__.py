@@ -21,10 +21,20 @@ def generate(model: Any, *args: Any, **kwargs: Any) -> Any:
     decodes speculatively by prompt lookup, guessing up to K tokens a pass, and `draft_model=` (a model
     with the same tokenizer, `num_draft_tokens=` its K) with a draft: the same greedy tokens, or the same
     sampling distribution (`lmcli.generation.speculative.generate`, which also takes `stats=`).
+    `num_beams=N` (N > 1) searches with N beams, as transformers' beam search (`lmcli.generation.beams`:
+    `length_penalty`, `early_stopping`, `num_return_sequences`, `output_scores`).
     """
     import torch
 
     with torch.inference_mode():
+        if kwargs.get("num_beams", 1) != 1 or "num_return_sequences" in kwargs:
+            from lmcli.generation import beams
+
+            if kwargs.pop("prompt_lookup", None) is not None or kwargs.pop("draft_model", None) is not None:
+                raise ValueError("beam search (num_beams > 1) does not speculate: no prompt_lookup or draft_model")
+            return beams.from_generate_call(model, args, kwargs)
+        for key in ("num_beams", "length_penalty", "early_stopping"):  # one beam: the plain loop
+            kwargs.pop(key, None)
         lookup = kwargs.pop("prompt_lookup", None)
         if lookup is not None or kwargs.get("draft_model") is not None:
             from lmcli.generation import speculative

@@ -6,6 +6,7 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcli.errors import TokenizerError
-from lmcli.settings.generation_settings import GenerationSettings, RowError, input_hash
+from lmcli.settings.generation_settings import FLAG, ROW, GenerationSettings, RowError, input_hash
 
 if TYPE_CHECKING:
     import torch
@@ -189,6 +190,8 @@ def batch_policy(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepar
         prompt_length=1 if encoder_decoder else width,
         pad_counts=[0 if encoder_decoder else width - len(r.prompt_ids) for r in rows],
         eos_token_ids=sorted(stop_at_eos), vocab_size=vocab_size, constraints=constraints,
+        rules=settings.model_defaults.rules,
+        max_length=(1 if encoder_decoder else width) + max(r.settings.max_new_tokens for r in rows),
     )
     return BatchPolicy(do_sample, processors, stop_at_eos, pad_id)
 
@@ -249,6 +252,8 @@ def generate_batch(
     """
     import torch
 
+    if rows[0].settings.beams > 1:
+        return _beam_batch(model, tokenizer, rows, on_text, on_done, run)
     device = model.device
     width = max(len(r.prompt_ids) for r in rows)
     policy = batch_policy(model, tokenizer, rows, width)
@@ -298,6 +303,52 @@ def generate_batch(
     for i, result in enumerate(results):
         if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
             finish(i, "length")
+    return results
+
+
+def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[PreparedRow],
+                on_text: Callable[[RowResult, str], None] | None, on_done: Callable[[RowResult], None] | None,
+                run: Callable[..., Any] | None) -> list[RowResult]:
+    """generate_batch() by beam search (generation/beams.py): the best beam of each row, whose text is
+    known only at the end, then told to `on_text` token by token as a sampled row's would be. The rows
+    share num_beams and max_new_tokens (batch_key), so each gives what it gives alone."""
+    import torch
+
+    from lmcli.errors import UsageError
+
+    settings = rows[0].settings
+    if run is not None:  # a chat continues its cache, one row: beam search does not
+        if settings.source("num_beams") in (FLAG, ROW):
+            raise UsageError("beam search (--num-beams) is not available in chat")
+        # The model's own beams give way (decoding greedily, as beam search does not sample either).
+        plain = [dataclasses.replace(r, settings=dataclasses.replace(
+            r.settings, num_beams=None, length_penalty=None, early_stopping=None)) for r in rows]
+        return generate_batch(model, tokenizer, plain, on_text=on_text, on_done=on_done, run=run)
+    k = settings.beams
+    width = max(len(r.prompt_ids) for r in rows)
+    # The processors see each beam as a row: each row's policy (its padding) once per beam.
+    policy = batch_policy(model, tokenizer, [r for r in rows for _ in range(k)], width)
+    pad_id, stop_at_eos = policy.pad_id, policy.stop_at_eos
+    input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows],
+                                  device=model.device)
+    encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
+    started = time.perf_counter()
+    results = [new_result(tokenizer, r, started, encoder_decoder) for r in rows]
+    out = model.generate(input_ids, max_new_tokens=settings.max_new_tokens, do_sample=False,
+                         attention_mask=attention_mask, eos_token_id=sorted(stop_at_eos) or None, pad_token_id=pad_id,
+                         logits_processors=policy.processors, num_beams=k,
+                         length_penalty=1.0 if settings.length_penalty is None else settings.length_penalty,
+                         early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never")
+    new_tokens = out[:, 1:] if encoder_decoder else out[:, width:]  # (B, n): after the start token or the prompt
+    for result, tokens in zip(results, new_tokens.tolist()):
+        reason = "length"
+        for token in tokens:
+            ended = take_token(result, token, stop_at_eos, on_text)
+            if ended is not None:
+                reason = ended
+                break
+        finish_row(result, reason, on_text, on_done)
     return results
 
 

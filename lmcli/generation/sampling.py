@@ -257,6 +257,108 @@ class LogitBias:
         return logits + self._vector.to(device=logits.device, dtype=logits.dtype)
 
 
+# ----------------------------------------------------------------------------- a model's own rules
+# generation_config.json's rules (lmcli.model_defaults: ModelDefaults.rules), as transformers' processors
+# of the same names apply them. `input_ids` is the whole text so far (an encoder-decoder's: its decoder's).
+
+
+class ForcedBOS:
+    """forced_bos_token_id: the first token after a one-token text (a decoder's start) is this one
+    (ForcedBOSTokenLogitsProcessor)."""
+
+    same_on_any_thread = True
+
+    def __init__(self, token_id: int):
+        self.token_id = token_id
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] != 1:
+            return logits
+        forced = torch.full_like(logits, float("-inf"))
+        forced[:, self.token_id] = 0
+        return forced
+
+
+class ForcedEOS:
+    """forced_eos_token_id: the token at `max_length` (the text's last column) is one of these
+    (ForcedEOSTokenLogitsProcessor)."""
+
+    same_on_any_thread = True
+
+    def __init__(self, max_length: int, token_ids: Iterable[int]):
+        self.max_length = max_length
+        self.token_ids = sorted({int(i) for i in token_ids})
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] != self.max_length - 1:
+            return logits
+        forced = torch.full_like(logits, float("-inf"))
+        forced[:, self.token_ids] = 0
+        return forced
+
+
+class BadWords:
+    """bad_words_ids: token sequences never generated: a one-token entry is never chosen, a longer one's
+    last token is banned where the text ends with the rest. An entry that is just an EOS token is dropped
+    (NoBadWordsLogitsProcessor)."""
+
+    same_on_any_thread = True
+
+    def __init__(self, sequences: Iterable[Sequence[int]], eos_token_ids: Iterable[int] = ()):
+        eos = {int(i) for i in eos_token_ids}
+        kept = [tuple(int(t) for t in s) for s in sequences if not (len(s) == 1 and int(s[0]) in eos)]
+        self.single = sorted({s[0] for s in kept if len(s) == 1})
+        self.longer = [s for s in kept if len(s) > 1]
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        banned = torch.zeros_like(logits, dtype=torch.bool)  # (B, V)
+        banned[:, self.single] = True
+        for sequence in self.longer:
+            prefix = torch.tensor(sequence[:-1], device=input_ids.device)
+            if prefix.numel() > input_ids.shape[1]:
+                continue
+            rows = (input_ids[:, input_ids.shape[1] - prefix.numel():] == prefix).all(dim=-1)  # (B,)
+            banned[:, sequence[-1]] |= rows
+        return logits.masked_fill(banned, float("-inf"))
+
+
+class SuppressTokens:
+    """suppress_tokens, and begin_suppress_tokens at `begin_index` only (the text's width when the first
+    new token is chosen): never these tokens (SuppressTokens[AtBegin]LogitsProcessor)."""
+
+    same_on_any_thread = True
+
+    def __init__(self, token_ids: Iterable[int], begin_index: int | None = None):
+        self.token_ids = sorted({int(i) for i in token_ids})
+        self.begin_index = begin_index
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.begin_index is not None and input_ids.shape[-1] != self.begin_index:
+            return logits
+        return logits.index_fill(1, torch.tensor(self.token_ids, dtype=torch.long, device=logits.device),
+                                 float("-inf"))
+
+
+def rule_processors(rules: Mapping[str, Any], prompt_length: int, max_length: int,
+                    eos_token_ids: Iterable[int]) -> list[LogitsProcessor]:
+    """A model's rules (ModelDefaults.rules) as processors, in transformers' order; `prompt_length` is the
+    text's width before the first new token (an encoder-decoder's: 1), `max_length` its width after the last."""
+    out: list[LogitsProcessor] = []
+    if rules.get("bad_words_ids"):
+        out.append(BadWords(rules["bad_words_ids"], eos_token_ids))
+    if rules.get("forced_bos_token_id") is not None:
+        out.append(ForcedBOS(rules["forced_bos_token_id"]))
+    if rules.get("forced_eos_token_id") is not None:
+        forced = rules["forced_eos_token_id"]
+        out.append(ForcedEOS(max_length, forced if isinstance(forced, (list, tuple)) else [forced]))
+    if rules.get("suppress_tokens"):
+        out.append(SuppressTokens(rules["suppress_tokens"]))
+    if rules.get("begin_suppress_tokens"):
+        begin = prompt_length if prompt_length > 1 or rules.get("forced_bos_token_id") is None else prompt_length + 1
+        out.append(SuppressTokens(rules["begin_suppress_tokens"], begin))
+    return out
+
+
 # ----------------------------------------------------------------------------- the chain and the sampler
 
 
@@ -403,20 +505,26 @@ class SamplingSettings(DecodingFields):
 
     def policy(self, *, prompt_length: int = 0, pad_counts: Sequence[int] | None = None,
                eos_token_ids: Iterable[int] = (), vocab_size: int | None = None,
-               constraints: RowConstraints | None = None) -> tuple[bool, list[LogitsProcessor]]:
+               constraints: RowConstraints | None = None, rules: Mapping[str, Any] | None = None,
+               max_length: int | None = None) -> tuple[bool, list[LogitsProcessor]]:
         """(do_sample, logits_processors) for generate(): each row's constraint first (`constraints`),
         then in transformers' order the processors, then, when sampling, the warpers; a setting at its
         off value adds none. generate()'s own temperature/top_k/top_p are then left at their neutral
         defaults, so the whole order is this list's.
 
-        `prompt_length` is the (padded) prompt width, `pad_counts` each row's left padding."""
+        `prompt_length` is the (padded) prompt width, `pad_counts` each row's left padding; `rules` the
+        model's own (ModelDefaults.rules), with `max_length` the text's width after the last new token."""
         self.check()
         context = _Context(prompt_length, pad_counts, eos_token_ids, vocab_size)
         steps = _PROCESSORS if self.greedy else (*_PROCESSORS, *_WARPERS)
         constraint = constraints.processor() if constraints is not None else None
+        made = [step.make(getattr(self, step.setting), context) for step in steps
+                if not SETTINGS[step.setting].is_off(getattr(self, step.setting))]
+        # The model's rules (generation_config.json) after the processors, before the warpers.
+        own = rule_processors(rules, prompt_length, max_length or prompt_length, eos_token_ids) if rules else []
+        processors = len([step for step in _PROCESSORS if not SETTINGS[step.setting].is_off(getattr(self, step.setting))])
         return not self.greedy, [*([constraint] if constraint is not None else []),
-                                 *(step.make(getattr(self, step.setting), context) for step in steps
-                                   if not SETTINGS[step.setting].is_off(getattr(self, step.setting)))]
+                                 *made[:processors], *own, *made[processors:]]
 
 
 # ----------------------------------------------------------------------------- per-row random streams

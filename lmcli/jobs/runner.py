@@ -426,6 +426,16 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
         return None
     from lmcli.generation.prefix_cache import prefix_cache_for
 
+    def beams_apart(rows: Iterable[PreparedRow]) -> Iterator[PreparedRow]:
+        """Beam rows (num_beams > 1) run each by itself as they are reached; the others run continuously."""
+        for row in rows:
+            if row.settings.beams > 1:
+                _generate_isolating_failures(model, tokenizer, [row], done, failed)
+            else:
+                yield row
+
+    rows = beams_apart(rows)
+
     def isolate(stranded: list[PreparedRow]) -> None:
         for row in stranded:
             _generate_isolating_failures(model, tokenizer, [row], done, failed)

@@ -62,6 +62,13 @@ class _SlotCache:
         self.keys, self.values = fn(self.keys), fn(self.values)
         self.slots = self.slots.to(self.keys.device)  # per-slot bookkeeping follows the data
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rows `rows` [R] (long, any order, repeats allowed) as the new batch: row i becomes old
+        row rows[i]. Beam search (generation/beams.py) reorders its beams this way, and first repeats
+        each input's row once per beam. The slot record is shared by all rows, so it stays."""
+        self.keys = self.keys.index_select(0, rows)  # (R, nkv, L, hd)
+        self.values = self.values.index_select(0, rows)
+
     # Continuous batching (generation/continuous.py): rows enter and leave a running batch's slots.
 
     def _index(self, slots: torch.Tensor) -> torch.Tensor:
@@ -227,6 +234,11 @@ class ModelCache:
         for layer in self.layers:
             layer.traverse(fn)
         return self
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i of every layer becomes old row rows[i] (see _SlotCache.select_rows)."""
+        for layer in self.layers:
+            layer.select_rows(rows)
 
     def shift(self, d: int) -> None:
         """Move every slot of every row by `d` (see _SlotCache.shift)."""

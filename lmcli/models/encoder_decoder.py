@@ -324,7 +324,7 @@ class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
         """Encoder input ids [B, S] (padded on either side, with `attention_mask`) -> decoder ids
         [B, 1 + n], starting with decoder_start_token_id. The other arguments and the contract are
         `lmcli.generation.loop.generate`'s; the encoder runs once, before the first step."""
-        from lmcli.generation.loop import generate
+        from lmcli.generation import generate
 
         mask = encoder_mask(x, attention_mask)
         run = DecoderRun(self, self.encode(x.to(self.device), mask.to(self.device)), mask.to(self.device))

@@ -65,6 +65,15 @@ class EncoderDecoderCache:
             self.encoder_mask = fn(self.encoder_mask)
         return self
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i becomes old row rows[i] [R], in the self-attention caches, the cross keys and values and
+        the encoder mask alike (beam search: generation/beams.py)."""
+        for layer in self.layers:
+            layer.select_rows(rows)
+        self.cross = [(keys.index_select(0, rows), values.index_select(0, rows)) for keys, values in self.cross]
+        if self.encoder_mask is not None:
+            self.encoder_mask = self.encoder_mask.index_select(0, rows)  # (R, S)
+
     def nbytes(self) -> int:
         tensors = [t for layer in self.layers for t in (layer.keys, layer.values)]
         tensors += [t for pair in self.cross for t in pair]
@@ -88,6 +97,9 @@ class DecoderRun:
         # The decoder reads nothing of a numerics record (its kernels sit in its modules; attention is
         # plain, in the parameters' dtype): the step is handed the default one.
         self.numerics = Numerics()
+        # config.json's banned tokens are -inf in the logits; beam search bans them in its log-softmax
+        # scores instead, as transformers' processor does there (generation/beams.py turns this off).
+        self.suppress_in_logits = True
 
     def fit_to_positions(self, max_new_tokens: Any) -> Any:
         """max_new_tokens, lowered (with a one-line warning) so that the start token and the new
@@ -99,6 +111,12 @@ class DecoderRun:
                              f"generation stops after {self.limit - 1} new tokens\n")
             return self.limit - 1
         return max_new_tokens
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Row i of the encoder output becomes old row rows[i] [R]: beam search repeats each input's
+        encoder output once per beam (the encoder ran once per input) for passes without a cache."""
+        self.cross = [(keys.index_select(0, rows), values.index_select(0, rows)) for keys, values in self.cross]
+        self.encoder_mask = self.encoder_mask.index_select(0, rows)  # (R, S)
 
     def init_cache(self, batch_size: int, max_length: int) -> EncoderDecoderCache:
         return EncoderDecoderCache.for_model(self.model, batch_size, max_length, encoder_mask=self.encoder_mask,
@@ -115,6 +133,6 @@ class DecoderRun:
             mask = cache.encoder_mask if cache.encoder_mask is not None else self.encoder_mask
             logits = self.model.decode(input_ids, positions, query_slots, cache.cross, mask, cache.layers, last_only)
         suppressed = self.model.config.suppressed_token_ids
-        if suppressed:
+        if suppressed and self.suppress_in_logits:
             logits[..., suppressed] = float("-inf")
         return logits

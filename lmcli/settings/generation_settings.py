@@ -33,7 +33,7 @@ from typing import Any
 
 from lmcli.errors import LmcliError, UsageError
 from lmcli.settings.constraint import CONSTRAINED_MAX_NEW_TOKENS, KINDS, Constraint, one_constraint
-from lmcli.settings.model_defaults import MODEL_SETTINGS, ModelDefaults, checked_model_defaults
+from lmcli.settings.model_defaults import MODEL_SETTINGS, RULES, ModelDefaults, checked_model_defaults, checked_rules
 from lmcli.settings.model_defaults import read_model_defaults as read_model_defaults
 from lmcli.settings.table import DEFAULT_MAX_NEW_TOKENS as DEFAULT_MAX_NEW_TOKENS
 from lmcli.settings.table import (
@@ -111,6 +111,38 @@ class GenerationSettings(DecodingFields):
             raise InvalidSettings(e, self._greedy_note(e), self._name_by_source) from None
         for name, value in checked.items():
             object.__setattr__(self, name, value)
+        self._settle_beams()
+
+    def _settle_beams(self) -> None:
+        """Beam search (num_beams > 1) chooses tokens itself, without sampling: the temperature becomes 0 and
+        the sampling-only settings are dropped. A user's own beams (a flag or a row) with sampling settings,
+        speculation, structured output or logprobs of their own is InvalidSettings; the model's default beams
+        give way to them instead."""
+        if (self.num_beams or 1) <= 1:
+            return
+        own = lambda name: self.source(name) in (FLAG, ROW)  # noqa: E731
+        sampling = [name for name in ("temperature", *SAMPLING_ONLY) if own(name) and getattr(self, name)]
+        other = [name for name in ("prompt_lookup", "draft_model") if getattr(self, name)]
+        other += ["constraint"] if self.constraint is not None else []
+        other += ["logprobs"] if self.logprobs is not None else []
+        if sampling or other:
+            if own("num_beams"):
+                clash = (sampling + other)[0]
+                raise InvalidSettings(SamplingError(
+                    "num_beams", "cannot be combined (beam search does not sample, speculate, constrain or give logprobs)",
+                    other=clash),
+                                      "", self._name_by_source)
+            for name in ("num_beams", "length_penalty", "early_stopping"):
+                object.__setattr__(self, name, None)
+            return
+        object.__setattr__(self, "temperature", 0.0)
+        for name in SAMPLING_ONLY:
+            object.__setattr__(self, name, None)
+
+    @property
+    def beams(self) -> int:
+        """How many beams: 1 means no beam search."""
+        return self.num_beams or 1
 
     def _greedy_note(self, problem: SamplingError) -> str:
         where = self.source("temperature")
@@ -295,7 +327,10 @@ class GenerationSettings(DecodingFields):
     def batch_key(self) -> tuple:
         """The settings that every row of one `model.generate` call must share."""
         sampling = (value for name, value in self._decoding().items() if name != "max_new_tokens")
-        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs, *(getattr(self, n) for n in SPECULATION))
+        # Beam search's result depends on its length limit: beam rows share max_new_tokens too.
+        beams = self.max_new_tokens if self.beams > 1 else None
+        return (*sampling, self.logit_bias, self.ignore_eos, self.logprobs, *(getattr(self, n) for n in SPECULATION),
+                beams)
 
     def used(self) -> dict[str, Any]:
         """The decoding settings in effect (those that are on), as JSON output records them."""
@@ -312,7 +347,15 @@ class GenerationSettings(DecodingFields):
         for name in ("max_new_tokens", "temperature", *SAMPLING_ONLY, "repetition_penalty"):
             value = getattr(self, name)
             shown = "off" if value is None else ("0 (greedy)" if name == "temperature" and value == 0 else f"{value:g}")
+            if name == "temperature" and self.beams > 1:
+                shown = "0 (beam search)"
             rows.append((name, shown, self.source(name)))
+        if self.beams > 1:  # the model's own beams (or the flags'), as its generation_config.json asks
+            early = {True: "true", False: "false", None: "false", "never": "never"}[self.early_stopping]
+            length = 1.0 if self.length_penalty is None else self.length_penalty
+            rows += [("num_beams", str(self.beams), self.source("num_beams")),
+                     ("length_penalty", f"{length:g}", self.source("length_penalty")),
+                     ("early_stopping", early, self.source("early_stopping"))]
         return rows
 
 
@@ -356,12 +399,16 @@ def _saved_sources(value: Any, where: str) -> dict[str, str]:
 
 
 def _saved_model_defaults(value: Any, where: str) -> ModelDefaults:
-    if (not isinstance(value, dict) or set(value) - {"values", "source"} or not isinstance(value.get("values", {}), dict)
+    if (not isinstance(value, dict) or set(value) - {"values", "source", "rules"}
+            or not isinstance(value.get("values", {}), dict) or not isinstance(value.get("rules", {}), dict)
             or not isinstance(value.get("source", ""), str)):
         raise SamplingError("model_defaults", 'must be an object {"values": {setting: value}, "source": file}',
                             shown=json.dumps(value, default=repr))
     checked = checked_model_defaults(value.get("values", {}), f'{where}: "model_defaults"')
-    return ModelDefaults(checked.values, value.get("source", ""))
+    rules = value.get("rules", {})
+    if set(rules) - set(RULES):
+        raise SamplingError("model_defaults", f"has an unknown rule {sorted(set(rules) - set(RULES))[0]!r}")
+    return ModelDefaults(checked.values, value.get("source", ""), checked_rules(rules, f'{where}: "model_defaults"'))
 
 
 # What a transcript saves besides the settings themselves.
@@ -393,6 +440,9 @@ def input_hasher(settings: GenerationSettings) -> Callable[[Any], str]:
     json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)."""
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
               if f.compare and f.name not in SPECULATION}
+    for name in ("num_beams", "length_penalty", "early_stopping"):  # newer than the hashes of earlier outputs
+        if values[name] is None:
+            del values[name]
     if not settings.greedy:  # speculation leaves greedy text as it is, and draws a sampled row's differently
         values.update({name: getattr(settings, name) for name in SPECULATION if getattr(settings, name)})
     tail = (', "settings": ' + json.dumps(values, sort_keys=True, ensure_ascii=False) + "}").encode("utf-8")

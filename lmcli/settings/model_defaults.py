@@ -23,6 +23,9 @@ class ModelDefaults:
 
     values: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""  # e.g. "generation_config.json"
+    # generation_config.json's rules, which no flag sets: forced_bos_token_id, forced_eos_token_id,
+    # bad_words_ids, suppress_tokens, begin_suppress_tokens (lmcli.generation.sampling.rule_processors)
+    rules: Mapping[str, Any] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.values)
@@ -53,7 +56,35 @@ def _hf_defaults(path: Path) -> ModelDefaults:
             values[name] = value
     if data.get("do_sample") is False:
         values["temperature"] = 0.0  # transformers decodes greedily then, whatever the temperature says
-    return checked_model_defaults(values, str(path))
+    defaults = checked_model_defaults(values, str(path))
+    return ModelDefaults(defaults.values, defaults.source, checked_rules(data, str(path)))
+
+
+RULES = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
+
+
+def checked_rules(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """generation_config.json's rules, checked (token ids: integers >= 0); an error names the file and key."""
+    def token(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    rules: dict[str, Any] = {}
+    for key in RULES:
+        value = data.get(key)
+        if value is None:
+            continue
+        if key == "forced_bos_token_id":
+            ok = token(value)
+        elif key == "forced_eos_token_id":
+            ok = token(value) or (isinstance(value, list) and bool(value) and all(map(token, value)))
+        elif key == "bad_words_ids":
+            ok = isinstance(value, list) and all(isinstance(w, list) and w and all(map(token, w)) for w in value)
+        else:
+            ok = isinstance(value, list) and all(map(token, value))
+        if not ok:
+            raise LmcliError(f"{source}: {key} must be token ids (integers >= 0), got {json.dumps(value)}")
+        rules[key] = value
+    return rules
 
 
 def _gguf_defaults(path: Path) -> ModelDefaults:

@@ -68,6 +68,7 @@ def check_number(setting: str, value: Any, ok: Callable[[float], bool], requirem
 
 # Kinds of value.
 INTEGER, NUMBER, SWITCH, TEXT, TEXTS, BIAS = "integer", "number", "switch", "text", "texts", "bias"
+EARLY = "early"  # early_stopping: true, false or "never", as transformers' beam search takes it
 CONSTRAINT = "constraint"  # lmcli.generation.constraints.Constraint, parsed (and checked) where it is given
 
 
@@ -132,6 +133,10 @@ class Setting:
         if self.kind == TEXT:
             if not isinstance(value, str):
                 raise SamplingError(self.name, "must be a string", value)
+            return value
+        if self.kind == EARLY:
+            if not (isinstance(value, bool) or value == "never"):
+                raise SamplingError(self.name, 'must be true, false or "never"', value)
             return value
         if self.kind == CONSTRAINT:
             if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(part, str) for part in value)):
@@ -200,6 +205,8 @@ class Setting:
             raise SamplingError(self.name, "must be true or false", shown=shown)
         if self.kind == TEXT and not isinstance(value, str):
             raise SamplingError(self.name, "must be a string", shown=shown)
+        if self.kind == EARLY and not (isinstance(value, bool) or value == "never"):
+            raise SamplingError(self.name, 'must be true, false or "never"', shown=shown)
         if self.kind == TEXTS:
             value = [value] if isinstance(value, str) else value
             if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
@@ -235,8 +242,14 @@ SETTINGS = _table(
     # OpenAI's bounds for its two penalties and its logit_bias.
     Setting("presence_penalty", NUMBER, low=-2, high=2, off=0.0, flag="--presence-penalty", row=True),
     Setting("frequency_penalty", NUMBER, low=-2, high=2, off=0.0, flag="--frequency-penalty", row=True),
-    Setting("no_repeat_ngram_size", INTEGER, low=1, off=0, flag="--no-repeat-ngram-size", row=True),
+    Setting("no_repeat_ngram_size", INTEGER, low=1, off=0, flag="--no-repeat-ngram-size", row=True,
+            hf="no_repeat_ngram_size"),
     Setting("min_new_tokens", INTEGER, low=0, off=0, flag="--min-new-tokens", row=True),
+    # Beam search (generation/beams.py), as transformers': a model's generation_config.json may ask for it.
+    Setting("num_beams", INTEGER, low=1, off=1, note="(1 means none)", flag="--num-beams", row=True, hf="num_beams"),
+    Setting("length_penalty", NUMBER, off=1.0, said="a number", flag="--length-penalty", row=True,
+            hf="length_penalty"),
+    Setting("early_stopping", EARLY, off=False, flag="--early-stopping", row=True, hf="early_stopping"),
     Setting("logit_bias", BIAS, low=-100, high=100, optional=False, flag="--logit-bias", row=True),
     Setting("seed", INTEGER, low=0, high=MAX_SEED, said="between 0 and 2**64-1", flag="--seed", row=True,
             openai=("seed",)),
@@ -320,6 +333,9 @@ class DecodingFields:
     frequency_penalty: float | None = None
     no_repeat_ngram_size: int | None = None
     min_new_tokens: int | None = None
+    num_beams: int | None = None  # None or 1: no beam search
+    length_penalty: float | None = None  # beam search only; None is transformers' 1.0
+    early_stopping: bool | str | None = None  # beam search only: True, False (None) or "never"
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,157 @@
+"""Beam search from the command line and in jobs, on a tiny T5 with a tokenizer.json whose
+generation_config.json asks for beams (as opus-mt and BART-CNN do), against transformers' generate of
+the same files with that same generation config."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from test_encdec_cli import _t5_tokenizer
+from typer.testing import CliRunner
+
+from lmcli.cli import app
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["translate English to German: the house is wonderful", "summarize: a cat sat on the mat and slept",
+           "the quick brown fox"]
+OWN = {"num_beams": 3, "length_penalty": 1.5, "early_stopping": True, "no_repeat_ngram_size": 2}  # its generation_config.json
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("t5-beams")
+    vocab = _t5_tokenizer(directory)
+    config = transformers.T5Config(vocab_size=vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   feed_forward_proj="gated-gelu", decoder_start_token_id=0, eos_token_id=1,
+                                   pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    model.generation_config = transformers.GenerationConfig(
+        decoder_start_token_id=0, eos_token_id=1, pad_token_id=0, **OWN)
+    model.save_pretrained(directory)
+    return directory
+
+
+def reference(directory, prompt: str, n: int, **options) -> str:
+    """transformers' text for `prompt` with the saved generation config (and `options` over it)."""
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(directory / "tokenizer.json"),
+                                                     eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    model = transformers.T5ForConditionalGeneration.from_pretrained(directory).eval()
+    with torch.no_grad():
+        out = model.generate(**tokenizer(prompt, return_tensors="pt"), max_new_tokens=n, **options)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def run(*args: str) -> str:
+    result = CliRunner().invoke(app, ["generate", *args])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_the_models_own_beams_give_transformers_text(t5_dir, prompt):
+    want = reference(t5_dir, prompt, 12)
+    row = json.loads(run("-c", str(t5_dir), "-n", "12", "--format", "jsonl", prompt))
+    assert row["completion"] == want and want.strip()
+
+
+def test_info_shows_the_models_beam_defaults(t5_dir):
+    result = CliRunner().invoke(app, ["info", str(t5_dir)])
+    assert result.exit_code == 0, result.output
+    shown = {line.split(":")[0]: line for line in result.stdout.splitlines()}
+    assert shown["default num_beams"].startswith("default num_beams: 3 (") and "generation_config.json" in shown[
+        "default num_beams"]
+    assert shown["default length_penalty"].startswith("default length_penalty: 1.5 (")
+    assert shown["default early_stopping"].startswith("default early_stopping: true (")
+    assert shown["default temperature"].startswith("default temperature: 0 (beam search)")
+
+
+def test_flags_override_the_models_beams(t5_dir):
+    prompt = PROMPTS[0]
+    want = reference(t5_dir, prompt, 10, num_beams=2, length_penalty=0.5, early_stopping="never")
+    got = run("-c", str(t5_dir), "-n", "10", "--num-beams", "2", "--length-penalty", "0.5",
+              "--early-stopping", "never", "--format", "jsonl", prompt)
+    assert json.loads(got)["completion"] == want
+    # --num-beams 1 is greedy decoding, as transformers' num_beams=1
+    greedy = reference(t5_dir, prompt, 10, num_beams=1, do_sample=False)
+    assert json.loads(run("-c", str(t5_dir), "-n", "10", "--num-beams", "1", "--greedy", "--format", "jsonl",
+                          prompt))["completion"] == greedy
+
+
+def test_a_job_of_beam_and_sampled_rows_equals_each_row_alone(t5_dir, tmp_path):
+    rows = [{"id": "a", "prompt": PROMPTS[0]}, {"id": "b", "prompt": PROMPTS[1], "num_beams": 2},
+            {"id": "c", "prompt": PROMPTS[2], "temperature": 0.7, "seed": 3, "num_beams": 1},
+            {"id": "d", "prompt": PROMPTS[2], "num_beams": 4, "length_penalty": 0.8}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "-n", "9", "--input", str(source),
+                                      "--output", str(output), "--batch-size", "4"])
+    assert result.exit_code == 0, result.output
+    got = {row["id"]: row["completion"] for row in map(json.loads, output.read_text().splitlines())}
+    assert got["a"] == reference(t5_dir, PROMPTS[0], 9)
+    assert got["b"] == reference(t5_dir, PROMPTS[1], 9, num_beams=2)
+    assert got["d"] == reference(t5_dir, PROMPTS[2], 9, num_beams=4, length_penalty=0.8)
+    alone = run("-c", str(t5_dir), "-n", "9", "--temperature", "0.7", "--seed", "3", "--num-beams", "1",
+                "--format", "jsonl", PROMPTS[2])
+    assert got["c"] == json.loads(alone)["completion"]
+
+
+@pytest.mark.parametrize("flags", [["--temperature", "0.7"], ["--prompt-lookup"], ["--regex", "[a-z]+"],
+                                   ["--top-k", "5"], ["--early-stopping", "maybe"]])
+def test_beams_with_what_they_do_not_do_is_a_one_line_error(t5_dir, flags):
+    result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "-n", "3", "--num-beams", "3", *flags, "hi"])
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and ("num-beams" in lines[0] or "early-stopping" in lines[0]), lines
+
+
+def test_a_chat_turn_decodes_without_the_models_beams_and_refuses_the_users(t5_dir):
+    """A chat continues its cache (generate_batch's `run`), which beam search does not: the model's own
+    beams give way to greedy decoding; the user's own --num-beams is a one-line error."""
+    from lmcli.errors import UsageError
+    from lmcli.generation.rows import generate_batch, prepare_row
+    from lmcli.loading import load
+    from lmcli.settings.generation_settings import GenerationSettings, read_model_defaults
+
+    loaded, tokenizer = load(t5_dir, device="cpu", dtype="float32")
+    model: Any = loaded
+    assert tokenizer is not None
+    own = GenerationSettings.from_flags(max_new_tokens=8).with_model_defaults(read_model_defaults(t5_dir))
+    assert own.beams == 3
+    row = prepare_row(tokenizer, 1, PROMPTS[0], own)
+    [result] = generate_batch(model, tokenizer, [row], run=model.generate)
+    assert result.text.finish() == "" and tokenizer.decode(result.tokens, skip_special_tokens=True) == reference(
+        t5_dir, PROMPTS[0], 8, num_beams=1, do_sample=False)
+    users = GenerationSettings.from_flags(max_new_tokens=8, num_beams=2)
+    with pytest.raises(UsageError):
+        generate_batch(model, tokenizer, [prepare_row(tokenizer, 1, PROMPTS[0], users)], run=model.generate)
+
+
+def test_a_continuous_job_of_beam_and_sampled_rows_equals_each_row_alone(tiny_checkpoint, tmp_path):
+    """On a decoder-only model rows run continuously; beam rows run apart, each as it runs alone."""
+    rows = [{"id": "s1", "prompt": "hello there", "temperature": 0.9, "seed": 1},
+            {"id": "b1", "prompt": "the quick brown", "num_beams": 3, "temperature": 0},
+            {"id": "s2", "prompt": "once upon", "seed": 2},
+            {"id": "b2", "prompt": "a b c d", "num_beams": 2, "length_penalty": 0.5, "early_stopping": "never"}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "-c", str(tiny_checkpoint), "-n", "6", "--input", str(source),
+                                      "--output", str(output), "--batch-size", "3"])
+    assert result.exit_code == 0, result.output
+    got = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    assert got["b1"]["settings"]["num_beams"] == 3 and got["b2"]["settings"]["early_stopping"] == "never"
+    for row in rows:
+        flags = [f"--{key.replace('_', '-')}={value}" for key, value in row.items() if key not in ("id", "prompt")]
+        alone = json.loads(run("-c", str(tiny_checkpoint), "-n", "6", "--format", "jsonl", *flags, str(row["prompt"])))
+        assert got[row["id"]]["completion"] == alone["completion"], row["id"]
