@@ -24,6 +24,7 @@ from lmcli.errors import CheckpointError, TokenizerError, UsageError, first_line
 from lmcli.resolve.model_ref import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
+    from lmcli.generation.models import GeneratingModel
     from lmcli.io.tokenizer import Tokenizer
     from lmcli.models.base import BaseModel
 
@@ -89,8 +90,9 @@ def _quantizable_names(model: nn.Module) -> set[str]:
 def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None = None,
          dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
          tokenizer_path: str | Path | None = None, tp: int | None = None,
-         quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
-    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+         quantize: str | None = None) -> tuple[GeneratingModel, Tokenizer | None]:
+    """Load a model and its tokenizer. Returns (GeneratingModel, Tokenizer | None): a BaseModel with
+    `generate()` (lmcli.generation.models; an encoder-decoder's is GeneratingEncoderDecoder).
 
     `checkpoint` and `model` are resolved as lmcli.resolve.model_ref.resolve_model resolves them; a command
     that has resolved them already passes its ResolvedModel as `checkpoint` (then `model` and
@@ -119,7 +121,7 @@ def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None
 
 
 def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torch.device, tp: int | None,
-          quantize: str | None, open_files: ExitStack) -> tuple[BaseModel, Tokenizer | None]:
+          quantize: str | None, open_files: ExitStack) -> tuple[GeneratingModel, Tokenizer | None]:
     from lmcli import registry
     from lmcli.generation.models import GeneratingModel
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
@@ -279,7 +281,7 @@ def _skeleton(config: Any, source: str, module: Any = None, parallel: Any = None
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
 
 
-def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[BaseModel, Tokenizer | None] | None:
+def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[GeneratingModel, Tokenizer | None] | None:
     """The model and tokenizer as an earlier start loaded them (io/packed_cache.py), without reading
     the GGUF; None where there is no usable entry."""
     from lmcli import registry
