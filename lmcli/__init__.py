@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": ("lmcli.loading", "load"),
     "generate": ("lmcli.generation", "generate"),
-    "BaseModel": ("lmcli.models.base", "BaseModel"),
+    "BaseModel": ("lmcli.generation.models", "GeneratingModel"),  # the decoder with generate(), as loaded
     "ModelConfig": ("lmcli.config", "ModelConfig"),
     "LmcliError": ("lmcli.errors", "LmcliError"),
 }

@@ -424,6 +424,7 @@ def generate(
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
+    import lmcli
     from lmcli.generation import speculative_setup as speculation
     from lmcli.jobs import runs
 
@@ -441,7 +442,7 @@ def generate(
                                          compile_decode=compile_decode, job=input_path is not None)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
-        return speculation.wrap_loaded(speculate, (loaded, loaded_tokenizer), resolved)
+        return speculation.wrap_loaded(speculate, (loaded, loaded_tokenizer), resolved, lmcli.load)
 
     if not sys.stdout.isatty() and hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")  # pipes and files get UTF-8 whatever the locale says
@@ -603,6 +604,7 @@ def chat(
             sys.stderr.write("\ninterrupted\n")
             raise typer.Exit(130) from None
         return
+    import lmcli
     from lmcli.chat.repl import run_chat
     from lmcli.generation import speculative_setup as speculation
 
@@ -614,7 +616,8 @@ def chat(
     settings = settings.with_model_defaults(resolved.defaults)
     try:
         run_chat(lambda: speculation.wrap_loaded(
-            speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode), resolved),
+            speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode), resolved,
+            lmcli.load),
                  settings, options, resolved)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
         sys.stderr.write("\ninterrupted\n")

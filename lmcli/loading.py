@@ -24,6 +24,7 @@ from lmcli.errors import CheckpointError, TokenizerError, UsageError, first_line
 from lmcli.resolve.model_ref import ResolvedModel, resolve_model
 
 if TYPE_CHECKING:
+    from lmcli.generation.models import GeneratingModel
     from lmcli.io.tokenizer import Tokenizer
     from lmcli.models.base import BaseModel
 
@@ -89,8 +90,9 @@ def _quantizable_names(model: nn.Module) -> set[str]:
 def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None = None,
          dtype: str | torch.dtype | None = None, device: str | torch.device | None = None,
          tokenizer_path: str | Path | None = None, tp: int | None = None,
-         quantize: str | None = None) -> tuple[BaseModel, Tokenizer | None]:
-    """Load a model and its tokenizer. Returns (BaseModel, Tokenizer | None).
+         quantize: str | None = None) -> tuple[GeneratingModel, Tokenizer | None]:
+    """Load a model and its tokenizer. Returns (GeneratingModel, Tokenizer | None): a BaseModel with
+    `generate()` (lmcli.generation.models; an encoder-decoder's is GeneratingEncoderDecoder).
 
     `checkpoint` and `model` are resolved as lmcli.resolve.model_ref.resolve_model resolves them; a command
     that has resolved them already passes its ResolvedModel as `checkpoint` (then `model` and
@@ -119,10 +121,10 @@ def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None
 
 
 def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torch.device, tp: int | None,
-          quantize: str | None, open_files: ExitStack) -> tuple[BaseModel, Tokenizer | None]:
+          quantize: str | None, open_files: ExitStack) -> tuple[GeneratingModel, Tokenizer | None]:
     from lmcli import registry
+    from lmcli.generation.models import GeneratingModel
     from lmcli.io.checkpoint import fill_model, read_safetensors, safetensors_files
-    from lmcli.models.base import BaseModel
 
     path, model = resolved.path, resolved.check_as
     parallel = None
@@ -225,7 +227,7 @@ def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torc
     del head
     built.eval()
     release_freed_memory()
-    if packed is not None and type(built) is BaseModel:
+    if packed is not None and type(built) is GeneratingModel:  # not a rank's part, not an encoder-decoder
         from lmcli.kernels import packed_model
 
         file_tokenizer, tokenizer_json = stored_tokenizer or (None, None)
@@ -266,19 +268,20 @@ def _check_claimed_size(config: Any, files: Path | list[Path], source: str) -> N
 
 def _skeleton(config: Any, source: str, module: Any = None, parallel: Any = None) -> Any:
     """The model `config` describes, its parameters not yet filled in: an architecture's own
-    (`module.build_model`, the encoder-decoders), a rank's part (`parallel`), or the shared BaseModel."""
-    from lmcli.models.base import BaseModel
+    (`module.build_model`, the encoder-decoders), a rank's part (`parallel`), or the shared BaseModel;
+    each of the class lmcli.generation.models gives `generate()`."""
+    from lmcli.generation.models import GeneratingEncoderDecoder, GeneratingModel
 
     try:
         with _uninitialised_parameters():
             if module is not None and hasattr(module, "build_model"):
-                return module.build_model(config)
-            return BaseModel(config) if parallel is None else parallel.build_model()
+                return module.build_model(config, GeneratingEncoderDecoder)
+            return GeneratingModel(config) if parallel is None else parallel.build_model(GeneratingModel)
     except (RuntimeError, MemoryError) as exc:  # sizes that pass validation can still exceed this machine
         raise CheckpointError(f"{source}: the model its config describes cannot be allocated ({first_line(exc)})") from None
 
 
-def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[BaseModel, Tokenizer | None] | None:
+def _from_packed(resolved: ResolvedModel, packed: tuple[Path, dict[str, Any]]) -> tuple[GeneratingModel, Tokenizer | None] | None:
     """The model and tokenizer as an earlier start loaded them (io/packed_cache.py), without reading
     the GGUF; None where there is no usable entry."""
     from lmcli import registry

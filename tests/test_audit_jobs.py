@@ -89,9 +89,9 @@ def test_a_batch_that_fails_after_a_row_finished_writes_each_row_once(tmp_path, 
     """The three-row batch fails at its fourth step (as running out of memory would), after the 2-token
     row is written: the other two are run alone, and the finished one is neither run nor written again."""
     from lmcli.generation.continuous import SCHEDULER_ENV
-    from lmcli.models.base import BaseModel
+    from lmcli.generation.models import GeneratingModel
 
-    real_generate, batches = BaseModel.generate, []
+    real_generate, batches = GeneratingModel.generate, []
 
     def failing(self, input_ids, *args, on_token=None, **kwargs):
         batches.append(input_ids.shape[0])
@@ -105,7 +105,7 @@ def test_a_batch_that_fails_after_a_row_finished_writes_each_row_once(tmp_path, 
 
         return real_generate(self, input_ids, *args, on_token=counted if on_token else None, **kwargs)
 
-    monkeypatch.setattr(BaseModel, "generate", failing)
+    monkeypatch.setattr(GeneratingModel, "generate", failing)
     monkeypatch.setenv(SCHEDULER_ENV, "batches")  # planned batches (a float model's default, too)
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps({"prompt": "Hello there", "max_new_tokens": n}) + "\n" for n in (2, 6, 6)))

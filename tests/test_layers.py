@@ -30,8 +30,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("lmcli.kernels", "lmcli.native")),
     ("models", ("lmcli.models",)),
     ("distributed", ("lmcli.distributed",)),
-    ("loading", ("lmcli.loading",)),
     ("generation", ("lmcli.generation",)),
+    ("loading", ("lmcli.loading",)),
     ("console", ("lmcli.console",)),
     ("jobs", ("lmcli.jobs",)),
     ("chat", ("lmcli.chat",)),
@@ -41,14 +41,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 # Imports that still run up, by (importing prefix, imported prefix): each is to be removed, not extended.
-KNOWN_EXCEPTIONS = {
-    ("lmcli.models", "lmcli.generation"):
-        "models/base.py's and models/encoder_decoder.py's generate() call the loop, and models/cache.py takes "
-        "the loop's ModelShape protocol: removed by the step refactor",
-    ("lmcli.distributed", "lmcli.jobs"):
-        "distributed.py holds the process group and the tensor-parallel model (below loading) beside the jobs "
-        "run under torchrun (above jobs): splitting it removes this",
-}
+KNOWN_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # BEGIN OLD NAMES (relayout.py empties this dict once the files have moved)
 OLD_NAMES: dict[str, str] = {}

@@ -44,7 +44,7 @@ OB, CS, CH, SA, DC, MD, ST = ("lmcli/jobs/openai_batch.py", "lmcli/chat/session.
                               "lmcli/settings/generation_settings.py")
 MN, FP, MR = "lmcli/resolve/model_names.py", "lmcli/io/fingerprint.py", "lmcli/resolve/model_ref.py"
 KE, LI, KP, QS = "lmcli/kernels/matmul.py", "lmcli/kernels/linear.py", "lmcli/kernels/plan.py", "lmcli/io/group_quantized.py"
-DI, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs/runner.py", "lmcli/jobs/input.py", "lmcli/generation/rows.py"
+DI, DJ, JO, JI, RO = "lmcli/distributed.py", "lmcli/jobs/distributed.py", "lmcli/jobs/runner.py", "lmcli/jobs/input.py", "lmcli/generation/rows.py"
 CO, SP, TH = "lmcli/generation/constraints.py", "lmcli/generation/speculative.py", "lmcli/threads.py"
 CN = "lmcli/settings/constraint.py"  # the constraint as a setting (its masks are CO's)
 ED, EDR, EDC = "lmcli/models/encoder_decoder.py", "lmcli/models/encoder_decoder_run.py", "lmcli/models/encoder_decoder_config.py"
@@ -208,7 +208,7 @@ PLANTS = [
           "a vocabulary that does not divide loses its last tokens under --tp"),
     Plant("T2", "parallel", DI, "return torch.cat(parts, dim=-1)[..., : self.config.vocab_size]", "return torch.cat(parts, dim=-1)",
           "--tp logits include padding columns"),
-    Plant("T3", "parallel", DI, "    if order is not None:\n        lines.sort(", "    if order is None:\n        lines.sort(",
+    Plant("T3", "parallel", DJ, "    if order is not None:\n        lines.sort(", "    if order is None:\n        lines.sort(",
           "a data-parallel job's output is not in input order"),
     Plant("T5", "parallel", DI, "return lazy.read() if self.rank == 0 else torch.zeros(shape)", "return lazy.read()",
           "a row-parallel bias is added once per rank"),

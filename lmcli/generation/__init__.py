@@ -4,9 +4,9 @@ step that runs them (step.py), and token choice (sampling.py and its processors,
 among them).
 
 `generate(model, x, ...)` is what `model.generate` does (also `lmcli.generate`): the plain loop, or
-speculation when asked for (`prompt_lookup=K`, `draft_model=`). The models reach this layer only
-through that one lazy call; everything else they share with it (the slot contract, the numerics
-record) sits below, in lmcli.models.
+speculation when asked for (`prompt_lookup=K`, `draft_model=`). The models never import this layer:
+`model.generate` is bound here (models.py: the classes lmcli.loading builds), and everything they share
+with it (the slot contract, the numerics record) sits below, in lmcli.models.
 """
 
 from __future__ import annotations

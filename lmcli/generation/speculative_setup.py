@@ -62,12 +62,14 @@ def from_flags(prompt_lookup: bool, draft_model: str | None, num_draft_tokens: i
 LOADED: list[Any] = []  # the speculators (and job speculations) this process made, newest last: for a command's summary
 
 
-def wrap_loaded(request: SpeculationRequest | None, loaded: tuple[Any, Any], resolved: Any) -> tuple[Any, Any]:
-    """A command's (model, tokenizer), with the model speculating as `request` asks (None: as it is)."""
+def wrap_loaded(request: SpeculationRequest | None, loaded: tuple[Any, Any], resolved: Any,
+                load: Callable[..., tuple[Any, Any]] | None = None) -> tuple[Any, Any]:
+    """A command's (model, tokenizer), with the model speculating as `request` asks (None: as it is);
+    `load` (lmcli.load's signature: the command's, from the layer above) loads a draft model."""
     model, tokenizer = loaded
     if request is None:
         return model, tokenizer
-    LOADED.append(Speculator(request, model, tokenizer, resolved.described()))
+    LOADED.append(Speculator(request, model, tokenizer, resolved.described(), load))
     return LOADED[-1].wrap(), tokenizer
 
 
@@ -75,7 +77,8 @@ class Speculator:
     """A request made ready for one target model: the draft loaded (same device and activation dtype)
     and checked, the stats of every run it makes."""
 
-    def __init__(self, request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str):
+    def __init__(self, request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str,
+                 load: Callable[..., tuple[Any, Any]] | None = None):
         from lmcli.generation.speculative import SpeculationStats
 
         if getattr(model.config, "is_encoder_decoder", False):
@@ -84,7 +87,10 @@ class Speculator:
         self.request, self.model = request, model
         self.stats = SpeculationStats()
         self.off_rows = 0  # job rows it was switched off for (see add)
-        self.draft = None if request.draft is None else load_draft(request, model, tokenizer, target_name)
+        if request.draft is not None and load is None:
+            raise ValueError("a draft model needs `load` (lmcli.load) to load it")
+        self.draft = None if request.draft is None or load is None else load_draft(request, model, tokenizer,
+                                                                                   target_name, load)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """model.generate's arguments -> model.generate's result, speculatively."""
@@ -121,13 +127,13 @@ class Speculator:
                 f"({stats.acceptance:.0%}), {stats.passes} model passes{draft}{off}")
 
 
-def load_draft(request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str) -> Any:
-    """The draft model for `model`: on its device, in its activation dtype; UsageError (exit 2) when its
-    tokenizer is not the target's."""
-    import lmcli
+def load_draft(request: SpeculationRequest, model: Any, tokenizer: Any, target_name: str,
+               load: Callable[..., tuple[Any, Any]]) -> Any:
+    """The draft model for `model`, loaded by `load` (lmcli.load, which sits above this layer): on its
+    device, in its activation dtype; UsageError (exit 2) when its tokenizer is not the target's."""
     from lmcli.generation.speculative_draft import DraftMismatch, check_same_tokenizer
 
-    draft, draft_tokenizer = lmcli.load(request.draft, device=model.device, dtype=model.dtype,
+    draft, draft_tokenizer = load(request.draft, device=model.device, dtype=model.dtype,
                                         quantize=request.draft_quantize)
     if getattr(draft.config, "is_encoder_decoder", False):
         raise UsageError(f"--draft-model {request.draft}: an encoder-decoder cannot draft for a decoder-only model")

@@ -78,7 +78,7 @@ from lmcli.generation.rows import (
 from lmcli.io.bounded import MAX_ROW_DEPTH, text_deeper_than
 from lmcli.io.output_lock import close_output, holding_output_lock
 from lmcli.jobs.input import JobRow, JobRows, id_key
-from lmcli.jobs.input import read_rows as read_rows  # lmcli.distributed reads the input so
+from lmcli.jobs.input import read_rows as read_rows  # lmcli.jobs.distributed reads the input so
 from lmcli.jobs.input import unescape_line as unescape_line  # part of the job format, documented here
 from lmcli.jobs.output import kept_record, output_lines, rewrite_without
 from lmcli.settings.generation_settings import GenerationSettings, RowError
@@ -111,7 +111,7 @@ class RowWriter:
 
 class JobOutput:
     """Where a job's rows go and which are there already. This one: a stream (stdout by default),
-    nothing done before, no progress bar. FileOutput is --output FILE; lmcli.distributed's ranks
+    nothing done before, no progress bar. FileOutput is --output FILE; lmcli.jobs.distributed's ranks
     bring their own (a part file each, or nowhere)."""
 
     path: Path | None = None  # the output file the user named: resume checks against it, messages name it

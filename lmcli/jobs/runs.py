@@ -1,7 +1,7 @@
 """What `lmcli generate` runs once its flags are checked: one prompt (read here), or a batch job.
 
 The command (cli.py) resolves the model and builds the settings; here the prompt is generated and
-shown (console.py) or the job is run (jobs/runner.py, distributed.py) and summarised.
+shown (console.py) or the job is run (jobs/runner.py, jobs/distributed.py) and summarised.
 """
 
 from __future__ import annotations
@@ -174,14 +174,15 @@ def run_job(input_path, output_path, settings, load, batch_size, resume, overwri
     quiet = False
     if job is None:  # else another job function (lmcli.serve.remote_job: the rows run on a server, no torch)
         from lmcli import distributed
+        from lmcli.jobs import distributed as ranks
         from lmcli.jobs import runner as jobs
 
         job = jobs.run_job
         if distributed.world_size() > 1:  # under torchrun: with --tp the ranks share the model, else the rows
-            job = distributed.run_data_parallel_job if tp is None else distributed.run_tensor_parallel_job
+            job = ranks.run_data_parallel_job if tp is None else ranks.run_tensor_parallel_job
             quiet = not distributed.is_output_rank()
         elif output_path is not None:
-            distributed.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
+            ranks.adopt_parts(output_path, resume, overwrite)  # left by an interrupted data-parallel job
     try:
         report = job(
             input_path, output_path, settings, load=load, batch_size=batch_size, resume=resume, overwrite=overwrite,

@@ -292,15 +292,6 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
         """Apply `fn` to every batched tensor of `cache` (move, cast, select rows); returns the cache."""
         return cache.traverse(fn)
 
-    def generate(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        """Prompt ids [B, T] (left-padded, with `attention_mask`) -> [B, T + n], under inference mode:
-        `lmcli.generation.generate(self, ...)`, whose docstring is the contract (speculation included).
-        The one call from the models up into the generation layer, made lazily, when a model generates."""
-        from lmcli.generation import generate  # the documented exception to the layer order
-
-        result: torch.Tensor | None = generate(self, *args, **kwargs)
-        return result
-
     @property
     def device(self) -> torch.device:
         return next(self.model.norm.parameters()).device  # the embedding may be quantized; the norm never is

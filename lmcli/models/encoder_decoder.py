@@ -6,8 +6,8 @@ relative buckets, BART's learned table, Marian's sinusoids), where the norms sit
 each block), embedding and output scales, biases and `final_logits_bias`. Their thin files
 (t5.py, bart.py, marian.py) read those fields from config.json and rename checkpoint tensors.
 
-Generation hands the shared loop (lmcli.generation.loop) a `DecoderRun`: the decoder bound to one
-call's encoder output, whose cross-attention keys and values are computed once.
+Generation (lmcli.generation.models, above) hands the shared loop a `DecoderRun`: the decoder bound to
+one call's encoder output, whose cross-attention keys and values are computed once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lmcli.kernels.linear import WeightCounting
 from lmcli.kernels.numerics import HasNumerics
 from lmcli.models.cache import KVCache
 from lmcli.models.encoder_decoder_config import EncoderDecoderConfig
-from lmcli.models.encoder_decoder_run import DecoderRun, EncoderDecoderCache
+from lmcli.models.encoder_decoder_run import EncoderDecoderCache
 from lmcli.models.layers import MLP, make_norm
 from lmcli.models.slots import positions_from_mask
 
@@ -207,7 +207,7 @@ def encoder_mask(x: Any, attention_mask: torch.Tensor | None) -> torch.Tensor:
 
 class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
     """`model(input_ids, attention_mask, decoder_input_ids)` returns decoder logits [B, T_dec, vocab];
-    `generate` takes the encoder input and returns decoder ids, as transformers' does."""
+    `generate` (lmcli.generation.models) takes the encoder input and returns decoder ids, as transformers' does."""
 
     def __init__(self, config: EncoderDecoderConfig):
         super().__init__()
@@ -315,23 +315,6 @@ class EncoderDecoderModel(HasNumerics, WeightCounting, nn.Module):
 
     def traverse_cache(self, cache: EncoderDecoderCache, fn: Callable[[torch.Tensor], torch.Tensor]) -> EncoderDecoderCache:
         return cache.traverse(fn)
-
-    @torch.inference_mode()
-    def generate(self, x: torch.Tensor, max_new_tokens: int, do_sample: bool, temperature: float = 1.0,
-                 top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-                 attention_mask: torch.Tensor | None = None, eos_token_id: Any = None,
-                 pad_token_id: int | None = None, **kwargs: Any) -> torch.Tensor | None:
-        """Encoder input ids [B, S] (padded on either side, with `attention_mask`) -> decoder ids
-        [B, 1 + n], starting with decoder_start_token_id. The other arguments and the contract are
-        `lmcli.generation.loop.generate`'s; the encoder runs once, before the first step."""
-        from lmcli.generation import generate
-
-        mask = encoder_mask(x, attention_mask)
-        run = DecoderRun(self, self.encode(x.to(self.device), mask.to(self.device)), mask.to(self.device))
-        max_new_tokens = run.fit_to_positions(max_new_tokens)
-        start = self.decoder_start(x.shape[0], self.device)
-        return generate(run, start, max_new_tokens, do_sample, temperature, top_k, top_p, use_cache,
-                        None, eos_token_id, pad_token_id, **kwargs)
 
     @property
     def device(self) -> torch.device:

@@ -54,10 +54,11 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> EncoderDecoderConfig
     return make_config(hf, **fields)
 
 
-def build_model(config: EncoderDecoderConfig) -> EncoderDecoderModel:
+def build_model(config: EncoderDecoderConfig, cls: type[EncoderDecoderModel] | None = None) -> EncoderDecoderModel:
+    """The model of `config`, of class `cls` (loading's, which generates) or the bare EncoderDecoderModel."""
     from lmcli.models.encoder_decoder import EncoderDecoderModel
 
-    return EncoderDecoderModel(config)
+    return (cls or EncoderDecoderModel)(config)
 
 
 _SUBLAYERS = {  # (stack, sublayer index) -> our name
