@@ -164,6 +164,9 @@ def test_the_exported_steps_attention_runs_on_one_thread_at_any_count(tiny_int4,
     at 2 threads its per-row calls run on one, as eager's do, and the count is 2 again after it."""
     from lmcli.models import row_attention
 
+    # The torch row calls, whose thread rule this is: the native kernel (the default where it builds) runs
+    # each query on one thread by construction (tests/test_flash_attention.py).
+    monkeypatch.setenv("LMCLI_ATTENTION", "torch")
     model, seen, attend = tiny_int4, [], row_attention.attend_gathered
 
     def spy(*args):
