@@ -212,3 +212,23 @@ def test_real_default_model_is_as_close_to_float32_as_torchs_kernel(smollm2_gguf
 
 
 from real_models import smollm2_gguf  # noqa: E402, F401  (fixture)
+
+
+def test_compile_on_a_model_with_native_kernels_decodes_eagerly_in_one_line(tmp_path, capsys):
+    """`--compile` cannot export a ctypes call, and torch.compile would break its graph at each one: a
+    model holding native kernels says so in one line and decodes eagerly, with eager's tokens."""
+    from tiny import prompts, save_reference
+
+    import lmcli
+
+    save_reference("llama", tmp_path / "llama")
+    model, _ = lmcli.load(tmp_path / "llama", quantize="int8")
+    assert any(getattr(getattr(m, "kernel", None), "name", "") == "native" for m in model.modules())
+    ids = prompts([7])[0][None]
+    eager = model.generate(ids, 5, False)
+    capsys.readouterr()  # what saving the checkpoint printed
+    assert model.compile_decode(builds=True) is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "native kernels" in err and "decoding eagerly" in err
+    assert getattr(model, "_compiled_decode", None) is None
+    assert torch.equal(model.generate(ids, 5, False), eager)

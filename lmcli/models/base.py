@@ -224,6 +224,9 @@ class BaseModel(HasNumerics, WeightCounting, nn.Module):
                 return True
             if not builds:
                 return False
+            if compiled_step.holds_native_kernels(self):  # torch.compile would break its graph at every call
+                sys.stderr.write(f"note: --compile: {why}; decoding eagerly\n")
+                return False
             sys.stderr.write(f"note: --compile: {why}; compiling with torch.compile in this process\n")
         if not builds:
             return False

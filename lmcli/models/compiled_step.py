@@ -71,9 +71,14 @@ def unsupported(model: BaseModel) -> str | None:
         return "sliding-window layers (a rolling cache) are not exported"
     if model.batch_invariant and (model.dtype != torch.bfloat16 or config.attn_logit_softcapping is not None):
         return "batch-invariant attention is exported only in bfloat16 without a softcap"
-    if any(getattr(getattr(m, "kernel", None), "name", "") == "native" for m in model.modules()):
+    if holds_native_kernels(model):
         return "lmcli's native kernels are not exported (LMCLI_KERNEL=int4pack compiles with torch's)"
     return None
+
+
+def holds_native_kernels(model: torch.nn.Module) -> bool:
+    """Whether some weight of `model` multiplies through lmcli's C++ kernels (a ctypes call)."""
+    return any(getattr(getattr(m, "kernel", None), "name", "") == "native" for m in model.modules())
 
 
 def decode_plan(slot_is_token: torch.Tensor, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
