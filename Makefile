@@ -29,7 +29,6 @@ install:
 		|| { echo "install: the server's libraries (starlette, uvicorn)"; $(PIP) install -q -e '.[serve]'; }
 	@# lmcli's C++ kernels (lmcli/native/csrc) with the system compiler; a failure is recorded and lmcli
 	@# uses torch's kernels instead (it never fails the install).
-	@echo "install: lmcli's C++ kernels (a few seconds with g++)"
 	@$(PYTHON) -m lmcli.native || true
 
 install-test: install

@@ -157,5 +157,5 @@ def test_make_says_what_it_installs_before_each_pip_run(tmp_path):
         assert lines[i - 1].startswith("install: "), lines[i - 1: i + 1]
     said = [line for line in lines if line.startswith("install: ")]
     assert len(said) == len(pip_runs) and len(set(said)) == len(said)  # each step its own line
-    first_run = next(i for i, line in enumerate(lines) if line.startswith("RUN"))
+    first_run = next(i for i, line in enumerate(lines) if line.startswith("RUN -m lmcli generate"))
     assert lines[first_run - 1].startswith("demo: "), lines

@@ -262,7 +262,7 @@ def test_kernel_plans_are_keyed_by_the_thread_settings_they_were_made_under(tmp_
     import json
     import subprocess
 
-    code = ("import json, torch, lmcli; lmcli.load; from lmcli.models import kernel_plan; "
+    code = ("import json, torch, lmcli; lmcli.load; from lmcli.kernels import plan as kernel_plan; "
             "kernel_plan.fixed_choice('int4', torch.bfloat16, torch.device('cpu')); "
             "print(json.dumps(torch.get_num_threads()))")
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
