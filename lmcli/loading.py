@@ -257,7 +257,7 @@ def least_weights(config: Any) -> int:
 def _check_claimed_size(config: Any, files: Path | list[Path], source: str) -> None:
     """Refuse a config that claims more weights than its files can hold, before anything is built: a
     config claiming 65,536 layers otherwise built 4 GB of modules (114 s here) before the first missing
-    tensor refused it (issue 31)."""
+    tensor refused it."""
     stored = sum(f.stat().st_size for f in ([files] if isinstance(files, Path) else files))
     least = least_weights(config)
     if least * MIN_BITS_PER_WEIGHT > stored * 8:

@@ -62,7 +62,7 @@ ROW_SETTINGS = ((0, None), (0.7, 0.9), (1.0, None), (0.5, 0.8), (0, None), (0.9,
 
 
 def target_job_rows(count: int = 48) -> list[dict]:
-    """The target job's rows (issue 20); every row carries its settings, so it runs with --chat alone."""
+    """The target job's rows; every row carries its settings, so it runs with --chat alone."""
     rows = []
     for i in range(count):
         temperature, top_p = ROW_SETTINGS[i % len(ROW_SETTINGS)]

@@ -160,7 +160,7 @@ def decode_example(model: BaseModel, batch: int) -> tuple[ModelCache, tuple[Any,
     2 * KEY_BLOCK + 5 slots, its key plan padded to 3 * KEY_BLOCK, a cache of 3 * KEY_BLOCK + 7 slots and a
     slot mask 6 wider. No dynamic length is 0 or 1, or equal to another that may differ from it, either of
     which export would specialise or tie (the program was built on the user's first step: one built on
-    "Hi" failed with IndexError on other prompts, issue 33)."""
+    "Hi" failed with IndexError on other prompts)."""
     end, capacity = 2 * KEY_BLOCK + 5, 3 * KEY_BLOCK + 7
     cache = model.init_cache(batch, capacity)
     slot_is_token = torch.ones((batch, capacity + 6), dtype=torch.bool)
