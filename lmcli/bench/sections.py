@@ -25,6 +25,7 @@ SECTIONS: dict[str, str] = {
     "startup": "lmcli.bench.startup",  # whole-process start-up and first token, with and without the packed cache
     "speculative": "lmcli.bench.speculative",
     "structured": "lmcli.bench.structured",  # decode with and without a JSON Schema, mask times
+    "beams": "lmcli.bench.beams",  # beam search with 4 beams against greedy decode: the same model, prompt and tokens
     "server": "lmcli.bench.server",  # lmcli serve: client start-up, 8 streaming clients against a job, first-token latency
 }
 DEFAULT_SECTIONS = ("engines",)

@@ -1,0 +1,41 @@
+"""`lmcli bench --sections beams` on a tiny checkpoint: the section runs through the bench's registry,
+every method makes the tokens asked for, its ratios are the figures' own, and its table shows each
+method (no timed assertions)."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+
+from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from rich.console import Console
+
+from lmcli.bench import main as bench
+from lmcli.bench import sections
+from lmcli.bench.beams import METHODS, report
+from lmcli.generation import beams
+
+
+def test_beams_section_through_lmcli_bench(tiny_checkpoint, capsys, monkeypatch):
+    assert sections.SECTIONS["beams"] == "lmcli.bench.beams"
+    searched = []  # the "4 beams" call is beam search itself (tested against transformers in test_beams.py)
+    real = beams.generate
+    monkeypatch.setattr(beams, "generate", lambda *a, **k: searched.append(a[3]) or real(*a, **k))
+    bench.main(str(tiny_checkpoint), as_json=True, sections="beams", quick=True, max_new_tokens=5)
+    section = json.loads(capsys.readouterr().out)["sections"]["beams"]
+    assert searched == [4]
+    assert section["num_beams"] == 4 and section["max_new_tokens"] == 5 and section["repeats"] == 1
+    assert section["new_tokens"] == dict.fromkeys(METHODS, 5) and section["equal_lengths"] is True
+    for name in METHODS:
+        assert len(section["seconds"][name]) == 1 and section["best_s"][name] == min(section["seconds"][name]) > 0
+    best = section["best_s"]
+    assert abs(section["ratio_to_greedy"] - best["4 beams"] / best["greedy"]) < 1e-2 * section["ratio_to_greedy"]
+    assert abs(section["ratio_to_greedy_b4"] - best["4 beams"] / best["greedy b4"]) < 1e-2 * section["ratio_to_greedy_b4"]
+
+    out = StringIO()
+    report(section, Console(file=out, width=200))
+    text = out.getvalue()
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == list(METHODS)
+    assert f"4 beams cost {section['ratio_to_greedy']:.2f}x greedy decoding" in text
+
