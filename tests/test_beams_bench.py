@@ -20,7 +20,12 @@ def test_beams_section_through_lmcli_bench(tiny_checkpoint, capsys, monkeypatch)
     assert sections.SECTIONS["beams"] == "lmcli.bench.beams"
     searched = []  # the "4 beams" call is beam search itself (tested against transformers in test_beams.py)
     real = beams.generate
-    monkeypatch.setattr(beams, "generate", lambda *a, **k: searched.append(a[3]) or real(*a, **k))
+
+    def recorded(*args, **kwargs):
+        searched.append(args[3])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(beams, "generate", recorded)
     bench.main(str(tiny_checkpoint), as_json=True, sections="beams", quick=True, max_new_tokens=5)
     section = json.loads(capsys.readouterr().out)["sections"]["beams"]
     assert searched == [4]
