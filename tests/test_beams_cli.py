@@ -155,3 +155,22 @@ def test_a_continuous_job_of_beam_and_sampled_rows_equals_each_row_alone(tiny_ch
         flags = [f"--{key.replace('_', '-')}={value}" for key, value in row.items() if key not in ("id", "prompt")]
         alone = json.loads(run("-c", str(tiny_checkpoint), "-n", "6", "--format", "jsonl", *flags, str(row["prompt"])))
         assert got[row["id"]]["completion"] == alone["completion"], row["id"]
+
+
+@pytest.mark.parametrize(("name", "value"), [("num_beams", "4"), ("num-beams", "2"), ("length_penalty", "2"),
+                                             ("early_stopping", "never")])
+def test_chat_set_of_a_beam_setting_is_refused_not_ignored(tiny_checkpoint, name, value):
+    """A chat turn decodes without beams (it continues its cache), so /set of a beam setting is an error
+    the REPL shows, and the settings stay as they were."""
+    from lmcli.chat.session import ChatError, ChatSession
+    from lmcli.loading import load
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    model, tokenizer = load(tiny_checkpoint, device="cpu", dtype="float32")
+    session = ChatSession(model, tokenizer, GenerationSettings(chat=True, max_new_tokens=4), context=64)
+    before = session.settings
+    with pytest.raises(ChatError, match=r"^/set [a-z_]+: beam search is not available in chat") as refused:
+        session.set_setting(name, value)
+    assert "\n" not in str(refused.value) and session.settings is before
+    session.set_setting("temperature", "0.5")  # other settings still change
+    assert session.settings.temperature == 0.5

@@ -37,6 +37,8 @@ ROLES = ("system", "user", "assistant")
 # Settings that belong to a one-shot prompt, not to a conversation's sampling.
 # A constraint: /set json_schema etc.; speculation is the command's (--prompt-lookup, --draft-model).
 NOT_SETTABLE = ("chat", "system", "logprobs", "constraint", "prompt_lookup", "draft_model", "num_draft_tokens")
+# Beam search does not continue a cache: /set of these is refused (the model's own beams give way in chat).
+BEAM_SETTINGS = ("num_beams", "length_penalty", "early_stopping")
 
 
 class ChatError(LmcliError):
@@ -140,6 +142,9 @@ class ChatSession:
         if field_name == "greedy":
             field_name, value = "temperature", "0" if _parse_bool(value, name) else str(DEFAULT_TEMPERATURE)
         fields = {f.name: f for f in dataclasses.fields(GenerationSettings) if f.name not in NOT_SETTABLE}
+        if field_name in BEAM_SETTINGS:  # never taken silently: a turn would decode without them
+            raise ChatError(f"/set {field_name}: beam search is not available in chat (a chat continues its "
+                            "cache, which beam search does not); 'lmcli generate --num-beams N' searches with beams")
         if field_name not in fields:
             raise ChatError(f"unknown setting '{name}' (one of: {', '.join(fields)})")
         parsed = _parse_setting(field_name, str(fields[field_name].type), value)
