@@ -689,13 +689,13 @@ def serve(
       curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The sky is", "max_tokens": 16}'
     """
     _use_threads(threads)
-    from lmcli.serve.server import ServeOptions
+    from lmcli.serve.server import ServeOptions, served_defaults
     from lmcli.serve.server import serve as run_server
 
     resolved = _resolve(checkpoint, model, tokenizer)
     from lmcli.settings.generation_settings import GenerationSettings
 
-    base = GenerationSettings().with_model_defaults(resolved.defaults)
+    base = GenerationSettings().with_model_defaults(served_defaults(resolved.defaults))  # no beams: a note says so
 
     def load():
         return _load(resolved, device, dtype, quantize=quantize, compile_decode=False, job=True)

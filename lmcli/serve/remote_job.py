@@ -56,6 +56,8 @@ def request_for(row: Any, base: GenerationSettings) -> tuple[str, dict[str, Any]
     for name in UNCARRIED:
         if getattr(settings, name) not in (None, False, getattr(base, name)):
             raise LmcliError(f"{name} is not supported with --server (no request field carries it)")
+    if settings.beams > 1:  # never dropped: the server would decode the row without them
+        raise LmcliError("num_beams is not supported with --server (lmcli serve does not search with beams)")
     body: dict[str, Any] = {}
     for name, field in FIELDS.items():
         value = getattr(settings, name)

@@ -37,6 +37,25 @@ class ServeOptions:
     log_format: str = "text"
 
 
+BEAM_KEYS = ("num_beams", "length_penalty", "early_stopping")
+
+
+def served_defaults(defaults: Any) -> Any:
+    """The model's own defaults (ModelDefaults) as the server uses them: without beam search, which the
+    continuous batch does not do. Where the model's generation config asks for beams, a note says so once
+    and a request decodes as `lmcli generate --num-beams 1` would; /v1/models lists these defaults, so a
+    job sent with --server records what was done. A request's own beam fields are refused (400)."""
+    import dataclasses
+
+    beams = defaults.values.get("num_beams")
+    if not any(key in defaults.values for key in BEAM_KEYS):
+        return defaults
+    if isinstance(beams, int) and beams > 1:
+        sys.stderr.write(f"note: the model's {defaults.source or 'defaults'} asks for beam search (num_beams {beams}); "
+                         "lmcli serve does not search with beams: requests decode as 'lmcli generate --num-beams 1'\n")
+    return dataclasses.replace(defaults, values={k: v for k, v in defaults.values.items() if k not in BEAM_KEYS})
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; LmcliError in one line when it cannot be had."""
     try:
