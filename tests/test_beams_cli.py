@@ -107,12 +107,30 @@ def test_a_job_of_beam_and_sampled_rows_equals_each_row_alone(t5_dir, tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--temperature", "0.7"], ["--prompt-lookup"], ["--regex", "[a-z]+"],
-                                   ["--top-k", "5"], ["--early-stopping", "maybe"]])
+                                   ["--json-schema", '{"type": "string"}'], ["--top-k", "5"],
+                                   ["--early-stopping", "maybe"]])
 def test_beams_with_what_they_do_not_do_is_a_one_line_error(t5_dir, flags):
     result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "-n", "3", "--num-beams", "3", *flags, "hi"])
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and ("num-beams" in lines[0] or "early-stopping" in lines[0]), lines
+
+
+def test_job_rows_asking_for_beams_with_speculation_or_structured_output_are_error_rows(t5_dir, tmp_path):
+    rows = [{"id": "lookup", "prompt": PROMPTS[0], "num_beams": 2, "prompt_lookup": True},
+            {"id": "schema", "prompt": PROMPTS[0], "num_beams": 2, "json_schema": {"type": "string"}},
+            {"id": "regex", "prompt": PROMPTS[0], "num_beams": 3, "regex": "[a-z]+"},
+            {"id": "fine", "prompt": PROMPTS[0], "num_beams": 2}]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "-c", str(t5_dir), "-n", "6", "--input", str(source),
+                                      "--output", str(output)])
+    assert result.exit_code != 0  # some rows failed
+    got = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    for name, other in (("lookup", "prompt_lookup"), ("schema", "constraint"), ("regex", "constraint")):
+        assert f'"num_beams" and "{other}" cannot be combined' in got[name]["error"], got[name]
+    assert got["fine"]["completion"] == reference(t5_dir, PROMPTS[0], 6, num_beams=2)
 
 
 def test_a_chat_turn_decodes_without_the_models_beams_and_refuses_the_users(t5_dir):
