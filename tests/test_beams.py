@@ -212,3 +212,26 @@ def test_config_bad_words_are_banned_in_the_beam_scores_as_transformers_does(enc
                                output_scores=True)
     assert banned not in got[0][:, 1:].flatten().tolist()
     assert_same(got, want)
+
+
+def test_renormalize_logits_shares_a_banned_tokens_mass_as_transformers_does(encdec):
+    """opus-mt's generation_config.json has renormalize_logits: true (transformers' LogitNormalization,
+    its last processor): the scores are log-softmaxed again after a ban, which changes the beams' sums."""
+    from test_encdec import inputs
+
+    from lmcli.generation.sampling import BadWords
+
+    reference, model, _ = encdec
+    ids, mask = inputs([7, 5], seed=6)
+    with torch.inference_mode():
+        banned = int(model.generate(ids, 3, do_sample=False, attention_mask=mask, num_beams=3)[0, 1])
+    want = hf_beams(reference, ids, mask, 8, num_beams=3, eos_token_id=None, bad_words_ids=[[banned]],
+                    renormalize_logits=True)
+    ban = [BadWords([[banned]])]
+    with torch.inference_mode():
+        got = model.generate(ids, 8, do_sample=False, attention_mask=mask, pad_token_id=PAD, num_beams=3,
+                             logits_processors=ban, output_scores=True, renormalize_logits=True)
+        plain = model.generate(ids, 8, do_sample=False, attention_mask=mask, pad_token_id=PAD, num_beams=3,
+                               logits_processors=ban, output_scores=True)
+    assert_same(got, want)
+    assert not torch.allclose(plain[1], want[1].float(), atol=1e-4, rtol=0)  # the renormalisation matters here

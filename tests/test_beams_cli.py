@@ -1,15 +1,20 @@
 """Beam search from the command line and in jobs, on a tiny T5 with a tokenizer.json whose
-generation_config.json asks for beams (as opus-mt and BART-CNN do), against transformers' generate of
-the same files with that same generation config."""
+generation_config.json asks for beams (as opus-mt and BART-CNN do), and on a tiny Marian shaped like
+opus-mt-en-de (its tokenizer files and its published generation_config.json, trained for a second on four
+sentence pairs: no real opus-mt checkpoint ships on PyPI), against transformers' generate of the same
+files with that same generation config."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from cli_fixtures import run_lmcli, tiny_checkpoint  # noqa: F401 (fixture)
 from test_encdec_cli import _t5_tokenizer
 from typer.testing import CliRunner
 
@@ -192,3 +197,122 @@ def test_chat_set_of_a_beam_setting_is_refused_not_ignored(tiny_checkpoint, name
     assert "\n" not in str(refused.value) and session.settings is before
     session.set_setting("temperature", "0.5")  # other settings still change
     assert session.settings.temperature == 0.5
+
+
+# --- an opus-mt-shaped Marian -------------------------------------------------------------------------
+
+OPUS_SOURCE = ["the house is wonderful.", "a small house by the lake, above all!", "the cat sleeps on the mat",
+               "I like green tea"]
+OPUS_TARGET = ["das Haus ist wunderbar.", "ein kleines Haus am See, über alles!", "die Katze schläft auf der Matte",
+               "ich mag grünen Tee"]
+
+
+# Not among the pairs it was trained on: where its beams chose otherwise than greedy decoding when tried
+OPUS_UNSEEN = ["the small cat likes the house", "a house by the lake"]
+
+
+def build_opus_like(directory: Path, steps: int = 150) -> Path:
+    """A tiny Marian with opus-mt's files (source.spm, target.spm, vocab.json) and opus-mt-en-de's
+    generation_config.json (4 beams, its pad token banned, forced EOS, renormalize_logits), trained for
+    `steps` AdamW steps on OPUS_SOURCE -> OPUS_TARGET so that its beams choose among real alternatives."""
+    import sentencepiece as spm
+
+    work = directory.parent / f"{directory.name}-spm"
+    work.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    models = []
+    for side, lines in (("source", OPUS_SOURCE), ("target", OPUS_TARGET)):
+        (work / f"{side}.txt").write_text("\n".join(lines * 40), encoding="utf-8")
+        spm.SentencePieceTrainer.train(input=str(work / f"{side}.txt"), model_prefix=str(work / side),
+                                       vocab_size=60, hard_vocab_limit=False, model_type="unigram",
+                                       character_coverage=1.0, minloglevel=2, unk_id=0, bos_id=-1, eos_id=-1,
+                                       pad_id=-1)
+        shutil.copy(work / f"{side}.model", directory / f"{side}.spm")
+        models.append(spm.SentencePieceProcessor(model_file=str(work / f"{side}.model")))
+    pieces = ["</s>", "<unk>", *(m.id_to_piece(i) for m in models for i in range(m.get_piece_size()))]
+    pieces = [*dict.fromkeys(pieces), "<pad>"]  # one vocabulary for both sides, </s> 0 and <pad> last, as opus-mt
+    (directory / "vocab.json").write_text(json.dumps({piece: i for i, piece in enumerate(pieces)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MarianTokenizer: "Recommended: pip install sacremoses"
+        tokenizer = transformers.MarianTokenizer(source_spm=str(directory / "source.spm"),
+                                                 target_spm=str(directory / "target.spm"),
+                                                 vocab=str(directory / "vocab.json"))
+    tokenizer.save_pretrained(directory)
+    shutil.rmtree(work)
+    pad = len(pieces) - 1
+    config = transformers.MarianConfig(
+        vocab_size=len(pieces), decoder_vocab_size=len(pieces), d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=512, pad_token_id=pad, eos_token_id=0, bos_token_id=0, decoder_start_token_id=pad,
+        activation_function="swish", scale_embedding=True, share_encoder_decoder_embeddings=True)
+    torch.manual_seed(7)
+    model = transformers.MarianMTModel(config)
+    batch = tokenizer(OPUS_SOURCE, text_target=OPUS_TARGET, padding=True, return_tensors="pt")
+    batch["labels"][batch["labels"] == pad] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    # opus-mt-en-de's generation_config.json, with this vocabulary's pad id
+    model.generation_config = transformers.GenerationConfig(
+        bad_words_ids=[[pad]], bos_token_id=0, decoder_start_token_id=pad, eos_token_id=0, forced_eos_token_id=0,
+        max_length=512, num_beams=4, pad_token_id=pad, renormalize_logits=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def opus_dir(tmp_path_factory):
+    return build_opus_like(tmp_path_factory.mktemp("opus") / "tiny-opus-mt-en-de")
+
+
+def opus_reference(directory: Path, prompt: str) -> tuple[str, int]:
+    """transformers' translation with the model's own generation config, and its new tokens (EOS included)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MarianTokenizer: "Recommended: pip install sacremoses"
+        tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
+    model = transformers.MarianMTModel.from_pretrained(directory).eval()
+    with torch.no_grad():
+        out = model.generate(**tokenizer(prompt, return_tensors="pt"))
+    return tokenizer.decode(out[0], skip_special_tokens=True), out.shape[1] - 1  # less the decoder's start token
+
+
+def test_an_opus_mt_shaped_marian_translates_with_its_own_beams_as_transformers(opus_dir):
+    """`lmcli generate -c DIR TEXT` with nothing else: the model's own 4 beams and rules, as transformers'
+    generate() with the same files and no arguments."""
+    from lmcli.settings.model_defaults import read_model_defaults
+
+    own = read_model_defaults(opus_dir)
+    assert own.values["num_beams"] == 4 and own.rules["renormalize_logits"] is True
+    want, _ = opus_reference(opus_dir, OPUS_UNSEEN[0])
+    result = run_lmcli("generate", "-c", str(opus_dir), OPUS_UNSEEN[0])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode("utf-8") == want + "\n" and want.strip()
+
+
+@pytest.mark.full
+def test_an_opus_mt_shaped_marian_job_gives_transformers_translations(opus_dir, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n"
+                              for i, p in enumerate(OPUS_SOURCE + OPUS_UNSEEN)))
+    output = tmp_path / "out.jsonl"
+    result = run_lmcli("generate", "-c", str(opus_dir), "--input", str(source), "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    got = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    for i, prompt in enumerate(OPUS_SOURCE + OPUS_UNSEEN):
+        want, tokens = opus_reference(opus_dir, prompt)
+        assert (got[str(i)]["completion"], got[str(i)]["completion_tokens"]) == (want, tokens), prompt
+
+
+def test_a_bad_renormalize_logits_is_a_one_line_error(t5_dir, tmp_path):
+    shutil.copytree(t5_dir, tmp_path / "bad")
+    config = json.loads((t5_dir / "generation_config.json").read_text())
+    (tmp_path / "bad" / "generation_config.json").write_text(json.dumps({**config, "renormalize_logits": "yes"}))
+    result = CliRunner().invoke(app, ["generate", "-c", str(tmp_path / "bad"), "-n", "3", "hi"])
+    assert result.exit_code != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "renormalize_logits must be true or false" in lines[0], lines

@@ -33,7 +33,7 @@ def generate(model: Any, *args: Any, **kwargs: Any) -> Any:
             if kwargs.pop("prompt_lookup", None) is not None or kwargs.pop("draft_model", None) is not None:
                 raise ValueError("beam search (num_beams > 1) does not speculate: no prompt_lookup or draft_model")
             return beams.from_generate_call(model, args, kwargs)
-        for key in ("num_beams", "length_penalty", "early_stopping"):  # one beam: the plain loop
+        for key in ("num_beams", "length_penalty", "early_stopping", "renormalize_logits"):  # one beam: the plain loop
             kwargs.pop(key, None)
         lookup = kwargs.pop("prompt_lookup", None)
         if lookup is not None or kwargs.get("draft_model") is not None:

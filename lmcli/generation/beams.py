@@ -75,10 +75,12 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
              attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
              length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
              logits_processors: Sequence[LogitsProcessor] | None = None, use_cache: bool = True,
-             output_scores: bool = False) -> Any:
+             output_scores: bool = False, renormalize_logits: bool = False) -> Any:
     """Prompt ids [B, T] (left-padded, with `attention_mask`) -> the best `num_return_sequences` beams
     per input [B * R, T + n] (an input's R rows together, best first); with `output_scores`, also
-    their scores [B * R] float (transformers' `sequences_scores`)."""
+    their scores [B * R] float (transformers' `sequences_scores`). `renormalize_logits`: the scores are
+    log-softmaxed again after the processors (transformers' LogitNormalization, always its last processor),
+    so a banned or forced token's mass is shared out before the beams' sums."""
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     processors = list(logits_processors or [])
@@ -152,6 +154,8 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
         if chain:
             context = torch.where(slot_is_token[:, :cur_len], flat, first_token)  # (B*K, cur_len)
             log_probs = chain(context, log_probs)
+        if renormalize_logits:
+            log_probs = torch.log_softmax(log_probs, dim=-1)  # (B*K, V)
         vocab = log_probs.shape[-1]
         totals = (log_probs.view(batch, k, vocab) + running_scores[:, :, None]).view(batch, k * vocab)
 
@@ -210,7 +214,8 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
     return out
 
 
-BEAM_KEYWORDS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "output_scores")
+BEAM_KEYWORDS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "output_scores",
+                 "renormalize_logits")
 
 
 def from_generate_call(model: SlotModel[Any], args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -339,7 +339,8 @@ def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepare
                          attention_mask=attention_mask, eos_token_id=sorted(stop_at_eos) or None, pad_token_id=pad_id,
                          logits_processors=policy.processors, num_beams=k,
                          length_penalty=1.0 if settings.length_penalty is None else settings.length_penalty,
-                         early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never")
+                         early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never",
+                         renormalize_logits=bool(settings.model_defaults.rules.get("renormalize_logits")))
     new_tokens = out[:, 1:] if encoder_decoder else out[:, width:]  # (B, n): after the start token or the prompt
     for result, tokens in zip(results, new_tokens.tolist()):
         reason = "length"

@@ -60,7 +60,8 @@ def _hf_defaults(path: Path) -> ModelDefaults:
     return ModelDefaults(defaults.values, defaults.source, checked_rules(data, str(path)))
 
 
-RULES = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens")
+RULES = ("forced_bos_token_id", "forced_eos_token_id", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens",
+         "renormalize_logits")  # the last: beam scores renormalised after the processors (opus-mt ships it)
 
 
 def checked_rules(data: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -72,6 +73,12 @@ def checked_rules(data: Mapping[str, Any], source: str) -> dict[str, Any]:
     for key in RULES:
         value = data.get(key)
         if value is None:
+            continue
+        if key == "renormalize_logits":
+            if not isinstance(value, bool):
+                raise LmcliError(f"{source}: {key} must be true or false, got {json.dumps(value)}")
+            if value:
+                rules[key] = value
             continue
         if key == "forced_bos_token_id":
             ok = token(value)
