@@ -9,6 +9,7 @@ from io import StringIO
 
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
 from rich.console import Console
+from test_beams_cli import t5_dir  # noqa: F401 (fixture)
 
 from lmcli.bench import main as bench
 from lmcli.bench import sections
@@ -44,3 +45,14 @@ def test_beams_section_through_lmcli_bench(tiny_checkpoint, capsys, monkeypatch)
     assert [row.split("│")[1].strip() for row in rows] == list(METHODS)
     assert f"4 beams cost {section['ratio_to_greedy']:.2f}x greedy decoding" in text
 
+
+
+def test_an_encoder_decoders_new_tokens_are_counted_after_its_start_token(t5_dir):
+    """An encoder-decoder's output is its decoder's text (start token first), not prompt + new tokens."""
+    from lmcli.bench.beams import run_methods
+    from lmcli.loading import load
+
+    model, tokenizer = load(t5_dir, device="cpu", dtype="float32")
+    assert tokenizer is not None
+    figures = run_methods(model, tokenizer.encode("the quick brown fox"), 5, 1)
+    assert figures["new_tokens"] == dict.fromkeys(METHODS, 5) and figures["equal_lengths"] is True

@@ -35,7 +35,9 @@ def _timed(model: Any, ids: Any, new_tokens: int, **extra: Any) -> tuple[float, 
     start = time.perf_counter()
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, **extra)
     seconds = time.perf_counter() - start
-    return seconds, out.shape[1] - ids.shape[1]
+    # An encoder-decoder's output is the decoder's text: its start token, then the new tokens.
+    before = 1 if getattr(model.config, "is_encoder_decoder", False) else ids.shape[1]
+    return seconds, out.shape[1] - before
 
 
 def run_methods(model: Any, prompt_ids: list[int], new_tokens: int, repeats: int,
