@@ -138,28 +138,6 @@ def test_job_rows_asking_for_beams_with_speculation_or_structured_output_are_err
     assert got["fine"]["completion"] == reference(t5_dir, PROMPTS[0], 6, num_beams=2)
 
 
-def test_a_chat_turn_decodes_without_the_models_beams_and_refuses_the_users(t5_dir):
-    """A chat continues its cache (generate_batch's `run`), which beam search does not: the model's own
-    beams give way to greedy decoding; the user's own --num-beams is a one-line error."""
-    from lmcli.errors import UsageError
-    from lmcli.generation.rows import generate_batch, prepare_row
-    from lmcli.loading import load
-    from lmcli.settings.generation_settings import GenerationSettings, read_model_defaults
-
-    loaded, tokenizer = load(t5_dir, device="cpu", dtype="float32")
-    model: Any = loaded
-    assert tokenizer is not None
-    own = GenerationSettings.from_flags(max_new_tokens=8).with_model_defaults(read_model_defaults(t5_dir))
-    assert own.beams == 3
-    row = prepare_row(tokenizer, 1, PROMPTS[0], own)
-    [result] = generate_batch(model, tokenizer, [row], run=model.generate)
-    assert result.text.finish() == "" and tokenizer.decode(result.tokens, skip_special_tokens=True) == reference(
-        t5_dir, PROMPTS[0], 8, num_beams=1, do_sample=False)
-    users = GenerationSettings.from_flags(max_new_tokens=8, num_beams=2)
-    with pytest.raises(UsageError):
-        generate_batch(model, tokenizer, [prepare_row(tokenizer, 1, PROMPTS[0], users)], run=model.generate)
-
-
 def test_a_continuous_job_of_beam_and_sampled_rows_equals_each_row_alone(tiny_checkpoint, tmp_path):
     """On a decoder-only model rows run continuously; beam rows run apart, each as it runs alone."""
     rows = [{"id": "s1", "prompt": "hello there", "temperature": 0.9, "seed": 1},
@@ -180,23 +158,136 @@ def test_a_continuous_job_of_beam_and_sampled_rows_equals_each_row_alone(tiny_ch
         assert got[row["id"]]["completion"] == alone["completion"], row["id"]
 
 
-@pytest.mark.parametrize(("name", "value"), [("num_beams", "4"), ("num-beams", "2"), ("length_penalty", "2"),
-                                             ("early_stopping", "never")])
-def test_chat_set_of_a_beam_setting_is_refused_not_ignored(tiny_checkpoint, name, value):
-    """A chat turn decodes without beams (it continues its cache), so /set of a beam setting is an error
-    the REPL shows, and the settings stay as they were."""
+# --- beams in a chat ---------------------------------------------------------------------------------
+
+
+def transformers_reply(directory: Path, ids: list[int], n: int, **options: Any) -> list[int]:
+    """transformers' new tokens for the prompt `ids` (the model's generation_config.json under `options`),
+    up to and with the first EOS (id 1), as a chat turn records them."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=n, eos_token_id=1, pad_token_id=2, **options)
+    new = out[0, len(ids):].tolist()
+    return new[:new.index(1) + 1] if 1 in new else new
+
+
+def test_a_chat_turn_after_set_num_beams_is_beam_search_and_a_later_greedy_turn_a_fresh_chats(tiny_checkpoint):
+    """/set num_beams 4 (with length_penalty, early_stopping and no_repeat_ngram_size): the turn is
+    transformers' beam search over the whole rendered conversation, shown when the search ends; the chat's
+    cache, left as it was, gives the following greedy turn what a fresh chat with that history gives
+    (and transformers' greedy decoding), from the prefix it still holds."""
+    from lmcli.chat.session import ChatSession
+    from lmcli.loading import load
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    model, tokenizer = load(tiny_checkpoint, device="cpu", dtype="float32")
+    assert tokenizer is not None
+    n = 8
+    session = ChatSession(model, tokenizer, GenerationSettings.from_flags(max_new_tokens=n, chat=True), context=128)
+    session.set_setting("greedy", "on")
+    first = session.reply("hello there")
+    for name, value in (("num_beams", "4"), ("length_penalty", "0.5"), ("early_stopping", "never"),
+                        ("no_repeat_ngram_size", "2")):
+        session.set_setting(name, value)
+    pieces: list[str] = []
+    second = session.reply("and the cat?", lambda result, piece: pieces.append(piece), logprobs=True)
+    ids2 = tokenizer.encode_chat(session.messages[:-1], add_generation_prompt=True)
+    assert second.result.tokens == transformers_reply(tiny_checkpoint, ids2, n, num_beams=4, length_penalty=0.5,
+                                                      early_stopping="never", no_repeat_ngram_size=2, do_sample=False)
+    assert second.result.tokens != transformers_reply(tiny_checkpoint, ids2, n, do_sample=False)  # not greedy's
+    assert "".join(pieces) == second.reply and second.prefill_tokens == len(ids2)  # told whole, at the end
+    assert second.result.logprobs is None and not second.interrupted  # --color-probs: unshaded
+
+    session.set_setting("num_beams", "1")
+    assert session.settings.temperature == 0  # beams set it; it stays greedy
+    history = list(session.messages)
+    third = session.reply("one more")
+    fresh = ChatSession(model, tokenizer, GenerationSettings.from_flags(greedy=True, max_new_tokens=n, chat=True),
+                        context=128, messages=history)
+    again = fresh.reply("one more")
+    ids3 = tokenizer.encode_chat(fresh.messages[:-1], add_generation_prompt=True)
+    assert third.result.tokens == again.result.tokens == transformers_reply(tiny_checkpoint, ids3, n, do_sample=False)
+    assert third.prefill_tokens < again.prefill_tokens == len(ids3)  # the first turn's keys were reused
+    assert first.result.tokens  # (the first turn ran greedily, into the cache the third reused)
+
+
+def test_the_models_own_beams_apply_in_chat_as_in_generate(tiny_checkpoint, tmp_path):
+    """A model whose generation_config.json asks for 4 beams: `lmcli chat` searches with them, as
+    `lmcli generate` does and as transformers' generate() with that file does."""
+    from lmcli.loading import load
+
+    directory = tmp_path / "own-beams"
+    shutil.copytree(tiny_checkpoint, directory)
+    path = directory / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, "num_beams": 4, "length_penalty": 0.7}))
+    _, tokenizer = load(directory, device="cpu", dtype="float32")
+    assert tokenizer is not None
+    message = "tell me about the house"
+    ids = tokenizer.encode_chat([{"role": "user", "content": message}], add_generation_prompt=True)
+    want = transformers_reply(directory, ids, 8)  # its own generation_config.json: 4 beams
+    assert want != transformers_reply(directory, ids, 8, num_beams=1, do_sample=False)  # the beams matter here
+    result = CliRunner().invoke(app, ["chat", "-c", str(directory), "-n", "8"], input=message + "\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == tokenizer.decode([t for t in want if t != 1]) + "\n"
+
+
+def test_ctrl_c_ends_a_beam_turn_and_the_chat_goes_on(tiny_checkpoint, monkeypatch):
+    """A stop asked during the search ends it before its next step: the reply is the best running beam so
+    far, marked interrupted, and the next turn is still a fresh chat's."""
+    from lmcli.chat.session import ChatSession
+    from lmcli.generation import beams
+    from lmcli.loading import load
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    model, tokenizer = load(tiny_checkpoint, device="cpu", dtype="float32")
+    session = ChatSession(model, tokenizer, GenerationSettings.from_flags(max_new_tokens=12, chat=True,
+                                                                          num_beams=3, ignore_eos=True), context=128)
+    steps = 0
+    recheck = beams.threads.recheck
+
+    def step_then_ctrl_c(*args: Any, **kwargs: Any) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == 3:  # Ctrl-C during the third step (the REPL's SIGINT handler calls request_stop)
+            session.request_stop()
+        recheck(*args, **kwargs)
+
+    monkeypatch.setattr(beams.threads, "recheck", step_then_ctrl_c)
+    turn = session.reply("hello there")
+    monkeypatch.setattr(beams.threads, "recheck", recheck)
+    assert turn.interrupted and turn.result.finish_reason == "interrupted" and len(turn.result.tokens) == 3
+    assert session.messages[-1] == {"role": "assistant", "content": turn.reply}
+    history = list(session.messages)
+    session.set_setting("num_beams", "1")
+    later = session.reply("again")
+    fresh = ChatSession(model, tokenizer, GenerationSettings.from_flags(greedy=True, max_new_tokens=12, chat=True,
+                                                                        ignore_eos=True), context=128, messages=history)
+    assert later.result.tokens == fresh.reply("again").result.tokens
+
+
+@pytest.mark.parametrize(("settings", "name", "value", "message"), [
+    ({}, "num_return_sequences", "2", r"^/set num_return_sequences: a chat turn keeps one reply"),
+    ({"temperature": 0.7}, "num_beams", "4", r"^num_beams and temperature cannot be combined"),  # the user's own sampling
+    ({"num_beams": 2}, "temperature", "0.7", r"^num_beams and temperature cannot be combined"),
+    ({}, "early_stopping", "maybe", r"early_stopping"),
+])
+def test_chat_set_of_beams_with_what_they_do_not_do_is_a_one_line_error(tiny_checkpoint, settings, name, value,
+                                                                        message):
+    """As in `lmcli generate`: the user's own beams with the user's own sampling is an error (the model's
+    beams give way instead), and a chat keeps one reply; the settings stay as they were."""
     from lmcli.chat.session import ChatError, ChatSession
     from lmcli.loading import load
     from lmcli.settings.generation_settings import GenerationSettings
 
     model, tokenizer = load(tiny_checkpoint, device="cpu", dtype="float32")
-    session = ChatSession(model, tokenizer, GenerationSettings(chat=True, max_new_tokens=4), context=64)
+    session = ChatSession(model, tokenizer, GenerationSettings.from_flags(chat=True, max_new_tokens=4, **settings),
+                          context=64)
     before = session.settings
-    with pytest.raises(ChatError, match=r"^/set [a-z_]+: beam search is not available in chat") as refused:
+    with pytest.raises(ChatError, match=message) as refused:
         session.set_setting(name, value)
     assert "\n" not in str(refused.value) and session.settings is before
-    session.set_setting("temperature", "0.5")  # other settings still change
-    assert session.settings.temperature == 0.5
 
 
 # --- an opus-mt-shaped Marian -------------------------------------------------------------------------

@@ -80,7 +80,8 @@ HELP = """\
 /help               this list
 /system TEXT        set the system message (/system alone shows it)
 /clear              forget the conversation, keep the system message
-/set NAME VALUE     change a sampling setting, e.g. /set temperature 0.7 (/set alone lists them)
+/set NAME VALUE     change a sampling setting, e.g. /set temperature 0.7 (/set alone lists them);
+                    /set num_beams 4 searches with beams: a reply then shows when its search ends
 /save FILE          write the transcript (messages, settings, model) as JSON
 /undo               drop the last exchange
 /exit               quit (Ctrl-D does too)

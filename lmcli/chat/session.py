@@ -14,6 +14,12 @@ conversation's blocks are also kept in a prefix cache (generation/prefix_cache.p
 switched back, or another session of the process sharing that cache and starting the same way, takes
 them from there.
 
+A turn with beams (num_beams > 1: `/set num_beams N`, --num-beams, or the model's own
+generation_config.json, as `lmcli generate` takes them) is searched by `model.generate`, the same beam
+search as `lmcli generate --num-beams N`, over the whole rendered conversation on a cache of its own:
+the chat's cache is left as it was, so the next turn reuses the prefix it still holds. A beam turn's
+text is known only when the search ends, so it is shown then, not token by token.
+
 Generating a turn is generation/rows.py's, what a setting may be is settings/generation_settings.py's.
 """
 
@@ -29,7 +35,7 @@ from typing import Any
 from lmcli.errors import LmcliError, TokenizerError, UsageError
 from lmcli.generation.rows import RowResult, generate_batch, prepare_row
 from lmcli.io.atomic import write_atomically
-from lmcli.settings.generation_settings import DEFAULT_TEMPERATURE, GenerationSettings
+from lmcli.settings.generation_settings import DEFAULT_TEMPERATURE, FLAG, GenerationSettings
 
 DEFAULT_CONTEXT = 4096  # tokens a chat keeps unless --context says otherwise (the cache is allocated for it)
 TRANSCRIPT_FORMAT = "lmcli-chat/1"
@@ -37,8 +43,6 @@ ROLES = ("system", "user", "assistant")
 # Settings that belong to a one-shot prompt, not to a conversation's sampling.
 # A constraint: /set json_schema etc.; speculation is the command's (--prompt-lookup, --draft-model).
 NOT_SETTABLE = ("chat", "system", "logprobs", "constraint", "prompt_lookup", "draft_model", "num_draft_tokens")
-# Beam search does not continue a cache: /set of these is refused (the model's own beams give way in chat).
-BEAM_SETTINGS = ("num_beams", "length_penalty", "early_stopping")
 
 
 class ChatError(LmcliError):
@@ -142,13 +146,15 @@ class ChatSession:
         if field_name == "greedy":
             field_name, value = "temperature", "0" if _parse_bool(value, name) else str(DEFAULT_TEMPERATURE)
         fields = {f.name: f for f in dataclasses.fields(GenerationSettings) if f.name not in NOT_SETTABLE}
-        if field_name in BEAM_SETTINGS:  # never taken silently: a turn would decode without them
-            raise ChatError(f"/set {field_name}: beam search is not available in chat (a chat continues its "
-                            "cache, which beam search does not); 'lmcli generate --num-beams N' searches with beams")
+        if field_name == "num_return_sequences":
+            raise ChatError("/set num_return_sequences: a chat turn keeps one reply (with beams, the best one)")
         if field_name not in fields:
             raise ChatError(f"unknown setting '{name}' (one of: {', '.join(fields)})")
         parsed = _parse_setting(field_name, str(fields[field_name].type), value)
-        settings = self.settings.changed(lambda n: n, ChatError, **{field_name: parsed})
+        # The user's own, as a flag is: it wins over the model's defaults (a /set temperature over the
+        # model's beams), and the user's own beams with the user's own sampling is an error, as in generate.
+        sources = {**self.settings.sources, field_name: FLAG}
+        settings = self.settings.changed(lambda n: n, ChatError, **{field_name: parsed, "sources": sources})
         self._check_room(settings, "max_new_tokens", ChatError)
         self.settings = settings
         return settings
@@ -170,19 +176,22 @@ class ChatSession:
               logprobs: bool = False) -> Turn:
         """Add the user message `text`, generate the reply (streamed to `on_text`) and add it too.
 
-        With `logprobs`, the result records each token's log-probability (for --color-probs)."""
+        With `logprobs`, the result records each token's log-probability (for --color-probs), except on
+        a beam turn (beam search gives none: its text comes unshaded)."""
         import torch
 
         from lmcli.generation.loop import generate_from_cache
 
         messages = [*self.messages, {"role": "user", "content": text}]
         ids, hidden = self._fit(messages)
-        reused = self._reusable_prefix(ids)
-        settings = dataclasses.replace(self.settings, logprobs=0) if logprobs else self.settings
+        beams = self.settings.beams > 1
+        settings = dataclasses.replace(self.settings, logprobs=0) if logprobs and not beams else self.settings
         self._turns += 1
         row = prepare_row(self.tokenizer, self._turns, text, settings, prompt_ids=ids)
-
         self._stop_requested = False
+        if beams:
+            return self._beam_turn(messages, ids, hidden, row, on_text)
+        reused = self._reusable_prefix(ids)
         stopped_early = False
         cached_after = 0
 
@@ -222,12 +231,33 @@ class ChatSession:
         self._cached_ids = (ids + result.tokens)[:cached_after]
         if self.prefix_cache is not None:
             self.prefix_cache.store(self._cached_ids, self._cache, len(self._cached_ids))
+        return self._record(messages, ids, hidden, result, len(ids) - reused, stopped_early)
+
+    def _beam_turn(self, messages: list[dict], ids: list[int], hidden: int, row: Any,
+                   on_text: Callable[[RowResult, str], None] | None) -> Turn:
+        """A turn by beam search over the whole conversation (`ids`), on the search's own cache: the
+        chat's cache and the tokens it holds stay as they were (nothing here trims it), so a later turn
+        reuses what it can of them and gives what a fresh chat would. Ctrl-C ends the search before its
+        next step; the reply is then the best running beam so far."""
+        stopped_early = False
+
+        def stop() -> bool:
+            nonlocal stopped_early
+            stopped_early = stopped_early or self._stop_requested
+            return stopped_early
+
+        [result] = generate_batch(self.model, self.tokenizer, [row], on_text=on_text, stop=stop)
+        return self._record(messages, ids, hidden, result, len(ids), stopped_early)
+
+    def _record(self, messages: list[dict], ids: list[int], hidden: int, result: RowResult, prefill: int,
+                stopped_early: bool) -> Turn:
+        """The turn's reply joins the conversation."""
         if stopped_early:
             result.finish_reason = "interrupted"
         dropped = hidden - self.hidden
         self.messages = [*messages, {"role": "assistant", "content": result.text.text}]
         self.hidden = hidden
-        return Turn(result, len(ids), len(ids) - reused, dropped, stopped_early)
+        return Turn(result, len(ids), prefill, dropped, stopped_early)
 
     def _fit(self, messages: list[dict]) -> tuple[list[int], int]:
         """The conversation's tokens, after dropping the oldest exchanges if it has outgrown the context.
@@ -343,6 +373,8 @@ def _parse_setting(name: str, type_name: str, value: str) -> Any:
     if "None" in type_name and value.lower() in ("none", "off", "default", ""):
         return None
     try:
+        if name == "early_stopping":  # bool | str: true, false (on, off...) or never, as --early-stopping
+            return "never" if value.lower() == "never" else _parse_bool(value, name)
         if type_name.startswith("bool"):
             return _parse_bool(value, name)
         if type_name.startswith("int"):

@@ -22,7 +22,7 @@ gives what it gives alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -75,12 +75,15 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
              attention_mask: torch.Tensor | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
              length_penalty: float = 1.0, early_stopping: bool | str = False, num_return_sequences: int = 1,
              logits_processors: Sequence[LogitsProcessor] | None = None, use_cache: bool = True,
-             output_scores: bool = False, renormalize_logits: bool = False) -> Any:
+             output_scores: bool = False, renormalize_logits: bool = False,
+             should_stop: Callable[[], bool] | None = None) -> Any:
     """Prompt ids [B, T] (left-padded, with `attention_mask`) -> the best `num_return_sequences` beams
     per input [B * R, T + n] (an input's R rows together, best first); with `output_scores`, also
     their scores [B * R] float (transformers' `sequences_scores`). `renormalize_logits`: the scores are
     log-softmaxed again after the processors (transformers' LogitNormalization, always its last processor),
-    so a banned or forced token's mass is shared out before the beams' sums."""
+    so a banned or forced token's mass is shared out before the beams' sums. `should_stop()` is asked
+    before each step (a chat's Ctrl-C); once it says True the search ends and gives each input's best
+    running beams so far (no hypothesis is complete then), scored as if they ended there."""
     mask = _validate_inputs(x, max_new_tokens, attention_mask)
     check_beam_settings(num_beams, length_penalty, early_stopping, num_return_sequences)
     processors = list(logits_processors or [])
@@ -121,7 +124,11 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
     cache = model.init_cache(batch, min(max_length, max_positions)) if use_cache else None
     group_offset = torch.arange(batch, device=device)[:, None] * k  # (B, 1): an input's first row
     cur_len = prompt_len
+    stopped = False
     for step in range(max_new_tokens):
+        if should_stop is not None and should_stop():
+            stopped = True
+            break
         threads.recheck(fresh=step == 0)
         flat = running[:, :, :cur_len].reshape(batch * k, cur_len)  # (B*K, cur_len)
         if step == 0:
@@ -206,6 +213,9 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
             break
 
     r = num_return_sequences
+    if stopped:  # the running beams, best first (topk's order), instead of the finished ones
+        finished_ids, scores = running, running_scores / float(max(1, cur_len - prompt_len)) ** length_penalty
+        lengths = torch.full_like(lengths, cur_len - prompt_len)
     out_lengths = lengths[:, :r].reshape(-1)
     width = prompt_len + int(out_lengths.max()) if out_lengths.numel() else prompt_len
     out = finished_ids[:, :r, :width].reshape(batch * r, width)
@@ -215,7 +225,7 @@ def generate(model: SlotModel[Any], x: torch.Tensor, max_new_tokens: int, num_be
 
 
 BEAM_KEYWORDS = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "output_scores",
-                 "renormalize_logits")
+                 "renormalize_logits", "should_stop")
 
 
 def from_generate_call(model: SlotModel[Any], args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -6,7 +6,6 @@ A single `lmcli generate PROMPT` is a job of one row, so both paths share
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lmcli.errors import TokenizerError
-from lmcli.settings.generation_settings import FLAG, ROW, GenerationSettings, RowError, input_hash
+from lmcli.settings.generation_settings import GenerationSettings, RowError, input_hash
 
 if TYPE_CHECKING:
     import torch
@@ -242,6 +241,7 @@ def generate_batch(
     on_text: Callable[[RowResult, str], None] | None = None,
     on_done: Callable[[RowResult], None] | None = None,
     run: Callable[..., Any] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[RowResult]:
     """Generate every row in one `model.generate` call (rows must share `batch_key()`).
 
@@ -249,11 +249,15 @@ def generate_batch(
     max_new_tokens. `on_text(result, piece)` gets each row's final text as it
     appears; `on_done(result)` is called the step a row finishes. `run` stands
     in for `model.generate` (same arguments): a chat continues its KV cache so.
+    Beam rows (num_beams > 1) are searched by `model.generate` on a cache of their
+    own, `run` is not called for them (a chat's cache stays as it was), and
+    `stop()`, asked before each step, ends their search early (a plain run stops
+    through `run`'s on_token instead).
     """
     import torch
 
     if rows[0].settings.beams > 1:
-        return _beam_batch(model, tokenizer, rows, on_text, on_done, run)
+        return _beam_batch(model, tokenizer, rows, on_text, on_done, stop)
     device = model.device
     width = max(len(r.prompt_ids) for r in rows)
     policy = batch_policy(model, tokenizer, rows, width)
@@ -308,22 +312,14 @@ def generate_batch(
 
 def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[PreparedRow],
                 on_text: Callable[[RowResult, str], None] | None, on_done: Callable[[RowResult], None] | None,
-                run: Callable[..., Any] | None) -> list[RowResult]:
+                stop: Callable[[], bool] | None) -> list[RowResult]:
     """generate_batch() by beam search (generation/beams.py): the best beam of each row, whose text is
     known only at the end, then told to `on_text` token by token as a sampled row's would be. The rows
-    share num_beams and max_new_tokens (batch_key), so each gives what it gives alone."""
+    share num_beams and max_new_tokens (batch_key), so each gives what it gives alone. `stop`: the
+    search's should_stop (then each row is its best running beam so far)."""
     import torch
 
-    from lmcli.errors import UsageError
-
     settings = rows[0].settings
-    if run is not None:  # a chat continues its cache, one row: beam search does not
-        if settings.source("num_beams") in (FLAG, ROW):
-            raise UsageError("beam search (--num-beams) is not available in chat")
-        # The model's own beams give way (decoding greedily, as beam search does not sample either).
-        plain = [dataclasses.replace(r, settings=dataclasses.replace(
-            r.settings, num_beams=None, length_penalty=None, early_stopping=None)) for r in rows]
-        return generate_batch(model, tokenizer, plain, on_text=on_text, on_done=on_done, run=run)
     k = settings.beams
     width = max(len(r.prompt_ids) for r in rows)
     # The processors see each beam as a row: each row's policy (its padding) once per beam.
@@ -340,7 +336,8 @@ def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepare
                          logits_processors=policy.processors, num_beams=k,
                          length_penalty=1.0 if settings.length_penalty is None else settings.length_penalty,
                          early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never",
-                         renormalize_logits=bool(settings.model_defaults.rules.get("renormalize_logits")))
+                         renormalize_logits=bool(settings.model_defaults.rules.get("renormalize_logits")),
+                         **({"should_stop": stop} if stop is not None else {}))
     new_tokens = out[:, 1:] if encoder_decoder else out[:, width:]  # (B, n): after the start token or the prompt
     for result, tokens in zip(results, new_tokens.tolist()):
         reason = "length"
