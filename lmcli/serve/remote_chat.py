@@ -90,7 +90,8 @@ class RemoteChatSession(ChatSession):
         before = self.settings
         settings = super().set_setting(name, value)
         changed = {f.name for f in dataclasses.fields(GenerationSettings)
-                   if getattr(settings, f.name) != getattr(before, f.name)}
+                   if f.name not in ("sources", "model_defaults")  # bookkeeping: /set marks its setting the user's
+                   and getattr(settings, f.name) != getattr(before, f.name)}
         try:
             for setting in changed:
                 self._check_carried(setting, ChatError)

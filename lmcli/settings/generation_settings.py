@@ -292,6 +292,8 @@ class GenerationSettings(DecodingFields):
                     for key, value in saved.items() if key not in explicit}
 
         changes = _made(values, error, name)
+        if "sources" in changes:  # a setting given this time keeps its source (the user's own, as a flag)
+            changes["sources"] = {**changes["sources"], **{k: v for k, v in self.sources.items() if k in explicit}}
         return _made(lambda: dataclasses.replace(self, **changes), error, name)
 
     def _name_by_source(self, name: str) -> str:
