@@ -407,3 +407,36 @@ def test_a_bad_renormalize_logits_is_a_one_line_error(t5_dir, tmp_path):
     assert result.exit_code != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "renormalize_logits must be true or false" in lines[0], lines
+
+
+def test_chat_with_a_server_refuses_set_num_beams_and_still_takes_other_settings():
+    """lmcli serve does not search with beams and no request field carries them: `/set num_beams` with
+    --server is a one-line error; `/set temperature` still goes in the requests (what /set records of its
+    source is bookkeeping, not a field). No request is made here."""
+    from lmcli.chat.session import ChatError
+    from lmcli.serve.remote_chat import RemoteChatSession
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    session = RemoteChatSession("http://127.0.0.1:1", {}, GenerationSettings.from_flags(chat=True), context=None,
+                                system=None, messages=None, changed=set())
+    session.set_setting("temperature", "0")
+    assert session.settings.temperature == 0 and session.changed == {"temperature"}
+    with pytest.raises(ChatError, match=r"^num_beams is not supported with --server") as refused:
+        session.set_setting("num_beams", "4")
+    assert "\n" not in str(refused.value) and session.settings.num_beams is None
+
+
+def test_a_resumed_transcripts_beams_and_a_temperature_flag_given_again_are_an_error_not_a_silent_choice():
+    """A transcript saved after /set num_beams 3 (the user's own) resumed with --temperature 0.7 (the
+    user's own again): as --num-beams 3 --temperature 0.7, a one-line error; with --num-beams 1 it samples."""
+    from lmcli.chat.session import ChatError, resumed_settings
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    saved = {"num_beams": 3, "temperature": 0.0, "sources": {"num_beams": "flag"}}
+    flags = GenerationSettings.from_flags(chat=True, temperature=0.7)
+    with pytest.raises(ChatError, match="cannot be combined"):
+        resumed_settings(saved, flags, {"temperature"}, Path("t.json"))
+    flags = GenerationSettings.from_flags(chat=True, temperature=0.7, num_beams=1)
+    resumed = resumed_settings(saved, flags, {"temperature", "num_beams"}, Path("t.json"))
+    assert (resumed.beams, resumed.temperature) == (1, 0.7)
+    assert resumed_settings(saved, GenerationSettings.from_flags(chat=True), set(), Path("t.json")).beams == 3
