@@ -199,7 +199,8 @@ class ChatRepl:
 
     def _settings_line(self) -> str:
         settings = dataclasses.asdict(self.session.settings)
-        return " · ".join(f"{name} {_show(settings[name])}" for name in settable_names())
+        shown = [name for name in settable_names() if name not in ("sources", "model_defaults")]  # bookkeeping
+        return " · ".join(f"{name} {_show(settings[name])}" for name in shown)
 
     # --- a turn -----------------------------------------------------------------------------------
 
