@@ -409,10 +409,10 @@ def test_a_bad_renormalize_logits_is_a_one_line_error(t5_dir, tmp_path):
     assert len(lines) == 1 and "renormalize_logits must be true or false" in lines[0], lines
 
 
-def test_chat_with_a_server_refuses_set_num_beams_and_still_takes_other_settings():
-    """lmcli serve does not search with beams and no request field carries them: `/set num_beams` with
-    --server is a one-line error; `/set temperature` still goes in the requests (what /set records of its
-    source is bookkeeping, not a field). No request is made here."""
+def test_chat_with_a_server_refuses_beams_and_still_takes_other_settings():
+    """lmcli serve does not search with beams and no request field carries them: `/set num_beams` and the
+    beam flags with --server are one-line errors (before any request); `/set temperature` still goes in
+    the requests (what /set records of its source is bookkeeping, not a field). No request is made here."""
     from lmcli.chat.session import ChatError
     from lmcli.serve.remote_chat import RemoteChatSession
     from lmcli.settings.generation_settings import GenerationSettings
@@ -424,6 +424,11 @@ def test_chat_with_a_server_refuses_set_num_beams_and_still_takes_other_settings
     with pytest.raises(ChatError, match=r"^num_beams is not supported with --server") as refused:
         session.set_setting("num_beams", "4")
     assert "\n" not in str(refused.value) and session.settings.num_beams is None
+    for flags in (["--num-beams", "4"], ["--length-penalty", "2"], ["--early-stopping", "never"]):
+        result = CliRunner().invoke(app, ["chat", "--server", "http://127.0.0.1:1", *flags], input="hi\n")
+        lines = result.stderr.strip().splitlines()
+        assert result.exit_code != 0 and len(lines) == 1, result.output
+        assert lines[0].startswith(f"error: {flags[0]} is not supported with --server"), lines
 
 
 def test_a_resumed_transcripts_beams_and_a_temperature_flag_given_again_are_an_error_not_a_silent_choice():

@@ -33,6 +33,9 @@ def request_body(prompt: str, decoding: dict[str, Any], chat: bool, system: str 
     refused = [name for name in ("min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
                                  "min_new_tokens", "regex", "grammar")
                if decoding.get(name) is not None] + [name for name in ("ignore_eos",) if decoding.get(name)]
+    # lmcli serve does not search with beams: never dropped, or the reply would be greedy's unsaid
+    refused += [name for name in ("length_penalty", "early_stopping") if decoding.get(name) is not None]
+    refused += ["num_beams"] if (decoding.get("num_beams") or 1) > 1 else []
     if refused:
         raise UsageError(f"--{refused[0].replace('_', '-')} is not supported with --server (no request field "
                          "carries it); drop it or run without --server")
