@@ -8,7 +8,9 @@ each still give the reference's tokens; and its size bound keeps the most recent
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,8 +20,10 @@ import pytest
 import torch
 from cli_fixtures import REPO, subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
 from test_continuous import alone, window_checkpoint  # noqa: F401 (fixture)
+from typer.testing import CliRunner
 
 import lmcli
+from lmcli.cli import app
 from lmcli.generation.continuous import ContinuousRun
 from lmcli.generation.prefix_cache import PrefixCache, disk_store_for, numerics_key, prefix_cache_for
 from lmcli.generation.rows import prepare_row
@@ -310,3 +314,53 @@ def test_prefix_cache_for_has_the_disk_tier_by_default(models, tmp_path, monkeyp
     monkeypatch.setenv(prompt_blocks.SIZE_ENV, "3M")
     store = disk_store_for(model)
     assert store is not None and store.directory == tmp_path / "elsewhere" and store.max_bytes == 3 << 20
+
+
+# --- the commands -------------------------------------------------------------------------------------------
+
+SYSTEM = "You are the help desk of a small library; answer in one short sentence. " * 3
+
+
+def _job(path: Path, questions: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"id": f"q{i}", "system": SYSTEM, "prompt": q, "max_new_tokens": 5,
+                                        "temperature": [0, 0.8][i % 2], "seed": i}) + "\n"
+                            for i, q in enumerate(questions)), encoding="utf-8")
+    return path
+
+
+def _completions(path: Path) -> dict[str, str]:
+    return {row["id"]: row["completion"] for row in map(json.loads, path.read_text().splitlines())}
+
+
+def test_job_run_twice_computes_only_what_is_new(tiny_checkpoint, tmp_path):
+    """A job with a shared system message, run a second time (a new process's cache: from disk), computes
+    none of its prefill, and its rows equal the cache-off run's; `--stats` says where the tokens came from."""
+    runner = CliRunner()
+    source = _job(tmp_path / "in.jsonl", ["Hi.", "Name a colour.", "What is two and two?"])
+    common = ["generate", "-c", str(tiny_checkpoint), "-q", "int4", "--chat", "--input", str(source), "--stats"]
+    outs = {}
+    for name, cache in (("off", "off"), ("first", str(tmp_path / "p")), ("second", str(tmp_path / "p"))):
+        outs[name] = tmp_path / f"{name}.jsonl"
+        result = runner.invoke(app, [*common, "--output", str(outs[name]), "--prompt-cache", cache])
+        assert result.exit_code == 0, result.output
+        if name == "second":
+            computed, requested = map(int, re.search(r"prefill (\d+) of (\d+) tokens computed", result.stderr).groups())
+            assert computed <= requested // 20 and "from disk" in result.stderr, result.stderr
+            assert f"prompt cache: {tmp_path / 'p'}" in result.stderr
+    assert _completions(outs["first"]) == _completions(outs["off"]) == _completions(outs["second"])
+
+
+def test_generate_twice_and_the_flags(tiny_checkpoint, tmp_path):
+    """generate with a shared system message: the second run's text equals the cache-off run's and it reads
+    the shared blocks from disk; a bad --prompt-cache-size is one usage line."""
+    runner = CliRunner()
+    cache = str(tmp_path / "p")
+    common = ["generate", "-c", str(tiny_checkpoint), "-q", "int4", "--chat", "--system", SYSTEM, "-n", "6",
+              "--seed", "3", "--stats"]
+    runner.invoke(app, [*common, "--prompt-cache", cache, "Hello there."])
+    want = runner.invoke(app, [*common, "--prompt-cache", "off", "Name a colour."])
+    got = runner.invoke(app, [*common, "--prompt-cache", cache, "--prompt-cache-size", "1G", "Name a colour."])
+    assert got.exit_code == 0 and got.stdout == want.stdout and want.stdout.strip()
+    assert "from disk" in got.stderr and "from disk" not in want.stderr
+    bad = runner.invoke(app, [*common, "--prompt-cache-size", "lots", "x"])
+    assert bad.exit_code == 2 and "--prompt-cache-size lots" in bad.stderr
