@@ -808,6 +808,41 @@ def info(
 
 
 @app.command()
+def cache(
+    action: Annotated[str | None, typer.Argument(
+        metavar="[clear]", show_default=False, help="clear: empty the caches (all, or those the flags name).")] = None,
+    prompts: Annotated[bool, _switch("--prompts", "Only the prompt cache's blocks.")] = False,
+    packed: Annotated[bool, _switch("--packed", "Only the packed weights.")] = False,
+    compiled: Annotated[bool, _switch("--compiled", "Only the compiled programs.")] = False,
+    prompt_cache: PromptCacheOption = None,
+) -> None:
+    """Show the caches lmcli keeps (packed weights, compiled programs, prompt blocks) and their sizes;
+    'lmcli cache clear' empties them."""
+    from lmcli.io import cache_dirs
+    from lmcli.io.sizes import human_bytes
+
+    if action not in (None, "clear"):
+        raise UsageError(f"cache {action}: unknown action (only 'clear')")
+    if action is None and (prompts or packed or compiled):
+        raise UsageError("--prompts, --packed and --compiled choose what 'lmcli cache clear' empties")
+    _use_prompt_cache(prompt_cache, None)
+    chosen = [kind for kind, on in (("prompts", prompts), ("packed", packed), ("compiled", compiled)) if on]
+    for kind in chosen or list(cache_dirs.KINDS):
+        use = cache_dirs.clear(kind) if action == "clear" else cache_dirs.usage(kind)
+        what = cache_dirs.WHAT[kind]
+        if use.directory is None:
+            typer.echo(f"{what}: off")
+        elif action == "clear":
+            typer.echo(f"{what}: removed {_files(use.files)}, {human_bytes(use.bytes)} ({use.directory})")
+        else:
+            typer.echo(f"{what}: {_files(use.files)}, {human_bytes(use.bytes)} ({use.directory})")
+
+
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
+
+
+@app.command()
 def convert(
     gguf_file: Annotated[Path, typer.Argument(metavar="GGUF", exists=True, dir_okay=False, show_default=False,
                                               help="The .gguf file to convert.")],

@@ -364,3 +364,62 @@ def test_generate_twice_and_the_flags(tiny_checkpoint, tmp_path):
     assert "from disk" in got.stderr and "from disk" not in want.stderr
     bad = runner.invoke(app, [*common, "--prompt-cache-size", "lots", "x"])
     assert bad.exit_code == 2 and "--prompt-cache-size lots" in bad.stderr
+
+
+def _fresh_reply(model, tokenizer, messages, new: int) -> list[int]:
+    """`model.generate` over the whole rendered conversation, greedy: what a chat turn must give."""
+    ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=tokenizer.eos_token_ids)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("case", ["llama", "window"])
+def test_chat_resumed_from_a_transcript_restores_its_blocks(case, models, tmp_path):
+    """A chat saved (/save: the transcript, and its blocks kept) and resumed in a new session with a new
+    prompt cache over the same directory: its next reply is what model.generate gives the whole conversation,
+    and the conversation comes from disk, all but the last few tokens (the sliding-window model runs past its
+    window of 8)."""
+    from lmcli.chat.session import ChatSession, load_transcript
+
+    model, tokenizer = models(case)
+    settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=6, chat=True)
+    system = "a system message long enough to fill a few blocks of tokens"
+    session = ChatSession(model, tokenizer, settings, context=256, system=system,
+                          prefix_cache=disk_cache(model, tmp_path))
+    for text in ("hello there", "and a second question"):
+        session.reply(text)
+    session.save(tmp_path / "t.json", {})
+    assert session.keep_blocks() > 0
+    saved = load_transcript(tmp_path / "t.json")
+    resumed = ChatSession(model, tokenizer, settings, context=256, messages=saved["messages"],
+                          prefix_cache=disk_cache(model, tmp_path))
+    turn = resumed.reply("a third one")
+    assert turn.result.tokens == _fresh_reply(model, tokenizer, [*saved["messages"],
+                                                                 {"role": "user", "content": "a third one"}], 6)
+    assert turn.from_disk == turn.prompt_tokens - turn.prefill_tokens and turn.prefill_tokens < turn.prompt_tokens // 3
+    assert resumed.prefix_cache is not None and not resumed.prefix_cache.unusable
+
+
+def test_cache_command_shows_and_clears(tmp_path, monkeypatch):
+    """`lmcli cache` lists the three caches with their sizes (counted here independently, with os.walk's
+    sizes); `cache clear --prompts` empties only the prompt blocks; `cache clear` the rest."""
+    monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("LMCLI_PROMPT_CACHE", raising=False)
+    for kind, names in (("packed", ["a.lmpk"]), ("compiled", ["e/program.pt2", "e/entry.json"]),
+                        ("prompts", ["ab/ab12.lmpb", "cd/cd34.lmpb", "cd/cd56.lmpb"])):
+        for name in names:
+            (tmp_path / kind / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / kind / name).write_bytes(b"x" * 1000)
+    runner = CliRunner()
+    shown = runner.invoke(app, ["cache"])
+    assert shown.exit_code == 0, shown.output
+    assert f"prompt blocks: 3 files, 2.9 KiB ({tmp_path / 'prompts'})" in shown.stdout
+    assert "packed weights: 1 file, 1000 bytes" in shown.stdout and "compiled programs: 2 files" in shown.stdout
+    cleared = runner.invoke(app, ["cache", "clear", "--prompts"])
+    assert cleared.exit_code == 0 and "prompt blocks: removed 3 files" in cleared.stdout
+    assert not (tmp_path / "prompts").exists() and (tmp_path / "packed" / "a.lmpk").exists()
+    assert runner.invoke(app, ["cache", "clear"]).exit_code == 0
+    assert not (tmp_path / "packed").exists() and not (tmp_path / "compiled").exists()
+    assert "prompt blocks: off" in runner.invoke(app, ["cache", "--prompt-cache", "off"]).stdout
+    wrong = runner.invoke(app, ["cache", "--prompts"])
+    assert wrong.exit_code == 2 and "cache clear" in wrong.stderr

@@ -30,7 +30,6 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from lmcli.io import prompt_blocks
 from lmcli.io.prompt_blocks import BlockStore, Shape, chain
 from lmcli.io.sizes import parse_size
 from lmcli.models.cache import KVCache, ModelCache
+from lmcli.paths import prompt_cache_dir
 
 BLOCK = 16  # tokens per block: a prompt reuses the longest run of whole blocks it shares, then a tail
 DEFAULT_MAX_BYTES = 128 * 2**20
@@ -57,17 +57,6 @@ def prefix_cache_for(model: Any) -> PrefixCache | None:
     if not (choice == "1" or (exact and choice != "0")):
         return None
     return PrefixCache(disk=disk_store_for(model), vocab=getattr(model.config, "vocab_size", None))
-
-
-def prompt_cache_dir() -> Path | None:
-    """Where prompt blocks are kept between runs: LMCLI_PROMPT_CACHE (a directory, or "off"), else the
-    lmcli cache directory's prompts/."""
-    from lmcli.paths import cache_dir
-
-    choice = os.environ.get(prompt_blocks.DIR_ENV, "").strip()
-    if choice.lower() in ("off", "0", "none"):
-        return None
-    return Path(choice).expanduser() if choice else cache_dir() / "prompts"
 
 
 def disk_store_for(model: Any) -> BlockStore | None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 # The prompt cache's settings (io/prompt_blocks.py), here so that the command line reads them without torch.
-PROMPT_CACHE_ENV = "LMCLI_PROMPT_CACHE"  # a directory, or "off"
+from lmcli.paths import PROMPT_CACHE_ENV as PROMPT_CACHE_ENV  # a directory, or "off"
+
 PROMPT_CACHE_SIZE_ENV = "LMCLI_PROMPT_CACHE_SIZE"  # bytes, or with a unit: 512M, 2G
 VERBOSE_ENV = "LMCLI_VERBOSE"  # "1": notes about caches (an entry not used, and why)
 
