@@ -159,7 +159,7 @@ def test_chat_reuses_kept_blocks_after_a_system_switch_and_in_a_new_session(load
 def test_a_ring_cache_is_never_stored(loaded):
     """A rolling layer keeps slot s at s % capacity: its keys are not a prefix's, so nothing is kept (and
     the cache says why, for --stats). A chat with a prefix cache keeps every slot instead (chat/session.py)."""
-    model, tokenizer = loaded("window")
+    model, _ = loaded("window")
     prefix = PrefixCache(block=4)
     ring = model.init_cache(1, 128)  # the sliding layers' rings of their window
     assert not all(isinstance(layer, KVCache) for layer in ring.layers)
