@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_fixtures import REPO, subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
+from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixture)
 from test_continuous import alone, window_checkpoint  # noqa: F401 (fixture)
 from typer.testing import CliRunner
 
@@ -423,3 +424,39 @@ def test_cache_command_shows_and_clears(tmp_path, monkeypatch):
     assert "prompt blocks: off" in runner.invoke(app, ["cache", "--prompt-cache", "off"]).stdout
     wrong = runner.invoke(app, ["cache", "--prompts"])
     assert wrong.exit_code == 2 and "cache clear" in wrong.stderr
+
+
+# --- the real models ------------------------------------------------------------------------------------------
+
+
+def _real_rows(tokenizer, opening: str, chat: bool):
+    settings = GenerationSettings(chat=chat, system=opening if chat else None)
+    questions = ["Hi.", "Name a colour.", "What is 2+2?"]
+    return [prepare_row(tokenizer, i, question if chat else opening + question,
+                        settings.for_row({"temperature": [0, 0.7][i % 2], "seed": i, "max_new_tokens": 4}))
+            for i, question in enumerate(questions)]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["smollm2", "gemma"])
+def test_real_models_cold_and_warm_disk_equal_generate(name, request, tmp_path, monkeypatch):
+    """The real default model (chat rows sharing a system message) and Gemma 3 (plain prompts sharing an
+    opening past its sliding layers' 512-token window): rows from a cold and a warm-disk cache equal
+    model.generate's on each row alone, greedy and sampled."""
+    path = request.getfixturevalue(f"{name}_gguf")
+    model, tokenizer = lmcli.load(path)
+    assert model.batch_invariant
+    monkeypatch.setenv("LMCLI_PROMPT_CACHE", str(tmp_path))
+    if name == "gemma":
+        rows = _real_rows(tokenizer, "A long opening about rivers, lakes and the sea. " * 52, chat=False)
+        assert len(rows[0].prompt_ids) > model.config.sliding_window
+    else:
+        rows = _real_rows(tokenizer, "You answer briefly and precisely. " * 8, chat=True)
+    reference = {row.id: alone(model, tokenizer, row) for row in rows}
+    cold = prefix_cache_for(model)
+    assert cold is not None and cold.disk is not None
+    got, _ = run(model, tokenizer, rows, cold)
+    assert got == reference
+    warm = prefix_cache_for(model)
+    got, stats = run(model, tokenizer, rows, warm)
+    assert got == reference and stats.prefill_computed == 0 and warm.stats.from_disk > 0  # type: ignore[union-attr]
