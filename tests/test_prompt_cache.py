@@ -281,6 +281,7 @@ RACER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.full  # three processes loading the model: about 12 s
 def test_two_processes_racing_on_one_prefix(models, tiny_checkpoint, tmp_path):
     """Two processes write the same prefix's blocks into one directory at once: each gets the reference's
     tokens, and a third reads every block back whole."""
