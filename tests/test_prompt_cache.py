@@ -256,6 +256,24 @@ def test_size_bound_keeps_the_most_recent(models, tmp_path):
     assert got == {rows[0].id: alone(model, tokenizer, rows[0])} and stats.prefill_computed > 0  # the oldest did not
 
 
+def test_a_prefix_longer_than_the_memory_bound_reads_what_fits(models, tmp_path):
+    """Blocks read from disk are held in memory too: a prefix whose blocks exceed the memory bound takes
+    what fits (never evicting a block it is about to use) and computes the rest, with the reference's tokens."""
+    model, tokenizer = models("llama")
+    [row] = rows_for(tokenizer, [LONG * 2])
+    reference = {row.id: alone(model, tokenizer, row)}
+    run(model, tokenizer, [row], disk_cache(model, tmp_path))
+    one_block = sum(t.nbytes for t in _block_tensors(model))
+    small = PrefixCache(max_bytes=6 * one_block, block=BLOCK, disk=BlockStore(tmp_path, _key_of(model)),
+                        vocab=model.config.vocab_size)
+    got, stats = run(model, tokenizer, [row], small)
+    assert got == reference and 0 < small.stats.from_disk <= 6 * BLOCK and stats.prefill_computed > 0
+
+
+def _key_of(model) -> str:
+    return disk_cache(model, Path("unused")).disk.key_digest  # type: ignore[union-attr]
+
+
 def _block_tensors(model):
     config = model.config
     return [torch.empty(config.num_key_value_heads, BLOCK, config.head_dim, dtype=model.dtype)

@@ -206,6 +206,8 @@ class PrefixCache:
             return 0
         parts: list[KV] = []  # each entry's keys and values that count, in order (slots 0, 1, ...)
         for key, length in found:
+            if key not in self._entries:  # dropped to make room for a later one (a prefix past the bound)
+                break
             self._entries.move_to_end(key)
             entry = self._entries[key]
             if entry.from_disk:
@@ -214,6 +216,8 @@ class PrefixCache:
             else:
                 self.stats.from_memory += length
             parts.append([(keys[:, :length], values[:, :length]) for keys, values in entry.kv])
+        if not parts:
+            return 0
         # One write per layer of the entries joined (a prompt's blocks one by one cost a write per block and layer).
         joined = [(torch.cat([part[layer][0] for part in parts], dim=1), torch.cat([part[layer][1] for part in parts], dim=1))
                   for layer in range(len(cache.layers))]
@@ -232,17 +236,20 @@ class PrefixCache:
         reused = 0
         disk = self._disk_usable(cache)
         link = self._link(ids, 0)
+        held = 0  # bytes of the entries found so far: one read from disk must not evict them
+        block_bytes = sum(shape.nbytes for shape in _shapes(cache, self.block)) if disk else 0
         while reused + self.block <= limit:
             key = ("block", tuple(ids[:reused + self.block]))
             link = chain(link, ids[reused:reused + self.block]) if disk else link
             entry = self._entries.get(key)
-            if entry is None and disk:
+            if entry is None and disk and held + 2 * block_bytes <= self.max_bytes:
                 entry = self._from_disk(key, link, reused, cache)
             if entry is None or not _fits(entry.kv, cache):
                 break
             if disk:
                 self.disk.used(link)  # type: ignore[union-attr]
             found.append((key, self.block))
+            held += entry.size
             reused += self.block
         best, best_key = 0, None
         for child in self._children.get(tuple(ids[:reused]), ()):
