@@ -479,3 +479,26 @@ def test_real_models_cold_and_warm_disk_equal_generate(name, request, tmp_path, 
     warm = prefix_cache_for(model)
     got, stats = run(model, tokenizer, rows, warm)
     assert got == reference and stats.prefill_computed == 0 and warm.stats.from_disk > 0  # type: ignore[union-attr]
+
+
+def test_thread_count_is_left_out_of_the_key_because_it_changes_no_number(models):
+    """Where rows are batch-invariant (the only place the prompt cache is used by default) the key leaves the
+    thread count out: keys, values and logits of a prefill are bit for bit the same on 1 and 2 threads."""
+    model, tokenizer = models("llama")
+    ids = tokenizer.encode(LONG)
+    n = len(ids)
+    x, slots = torch.tensor([ids]), torch.arange(n)
+    results = []
+    for count in (1, 2, 1):
+        torch.set_num_threads(count)
+        try:
+            with torch.inference_mode():
+                cache = model.init_cache(1, n, rollback=n)
+                logits = model.forward_slots(x, slots[None], slots, torch.ones(1, n, dtype=torch.bool), cache,
+                                             last_only=False, numerics=model.numerics)
+            results.append((logits, [layer.keys.clone() for layer in cache.layers]))
+        finally:
+            torch.set_num_threads(1)
+    for logits, keys in results[1:]:
+        assert torch.equal(logits, results[0][0]) and all(torch.equal(a, b) for a, b in zip(keys, results[0][1]))
+    assert numerics_key(model)["threads"] == "any"  # type: ignore[index]
