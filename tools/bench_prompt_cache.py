@@ -58,7 +58,8 @@ def chat_resume(model, tokenizer, directory: Path, rounds: int, target: int) -> 
             turn = session.reply("And one more question?")
             times[name].append(turn.result.first_token_at - turn.result.started)
             if prefix is not None:
-                assert turn.from_disk > 0
+                print(f"  round: {turn.prefill_tokens} of {turn.prompt_tokens} computed, {turn.from_disk} from disk,"
+                      f" {turn.from_memory} from memory; skipped {prefix.disk.skipped if prefix.disk else '-'}")
     rec, disk = statistics.median(times["recompute"]), statistics.median(times["from disk"])
     print(f"chat resume, {kept} tokens of history: first token {rec * 1000:.0f} ms recomputed, "
           f"{disk * 1000:.0f} ms from disk ({disk / rec:.3f}x)")
