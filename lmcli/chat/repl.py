@@ -189,8 +189,7 @@ class ChatRepl:
             if not argument:
                 raise ChatError("/save needs a file name")
             path = session.save(argument, self.model_info)
-            keep = getattr(session, "keep_blocks", None)  # a server's session (serve/remote_chat.py) keeps none
-            kept = keep() if keep is not None else 0  # so that --resume restores the conversation, not computes it
+            kept = session.keep_blocks()  # so that --resume restores the conversation, not computes it (0: none)
             self.note(f"saved {len(session.messages)} messages to {path}"
                       + (f" (its {kept} tokens kept in the prompt cache)" if kept else ""))
         elif name == "undo":

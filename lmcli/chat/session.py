@@ -248,7 +248,8 @@ class ChatSession:
 
         from lmcli.generation.step import Step
 
-        if self.prefix_cache is None or getattr(self.model, "speculator", None) is not None or not self.messages:
+        prefix = getattr(self, "prefix_cache", None)  # a server's session (serve/remote_chat.py) has no model here
+        if prefix is None or getattr(self.model, "speculator", None) is not None or not self.messages:
             return 0
         visible = self._visible(self.messages, self.hidden)
         ids = self.tokenizer.encode_chat(visible, add_generation_prompt=visible[-1]["role"] != "assistant")
@@ -260,15 +261,15 @@ class ChatSession:
             reused = self._reusable_prefix(ids)
             if self._cache is None:  # it could not go back far enough
                 self._cache = self._new_cache()
-            if self.prefix_cache.longest(ids, self._cache) > reused:
-                reused = self.prefix_cache.restore(ids, self._cache)
+            if prefix.longest(ids, self._cache) > reused:
+                reused = prefix.restore(ids, self._cache)
             n = len(ids)
             slots = torch.arange(reused, n, device=self.model.device)
             x = torch.tensor([ids[reused:]], dtype=torch.long, device=self.model.device)  # (1, n - reused)
             is_token = torch.ones(1, n, dtype=torch.bool, device=self.model.device)
             Step.of(self.model).prefill(x, slots[None], slots, is_token, self._cache)
         self._cached_ids = ids
-        self.prefix_cache.store(ids, self._cache, n)
+        prefix.store(ids, self._cache, n)
         return n
 
     def _fit(self, messages: list[dict]) -> tuple[list[int], int]:
