@@ -87,13 +87,15 @@ def _root(
     version: Annotated[
         bool, typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit.")
     ] = False,
-    # Listed here for --help; main() takes --debug out of the arguments wherever it appears.
+    # Listed here for --help; main() takes these out of the arguments wherever they appear (command_group.py).
     debug: Annotated[bool, typer.Option("--debug", metavar="", help="Show tracebacks instead of one-line errors.")] = False,
     fast_kernels: Annotated[bool, typer.Option("--fast-kernels", metavar="", help=(
         "Quantized weights: the kernels measured fastest here, batched attention; a row's text may then "
         "depend on its batch, chunking and machine."))] = False,
     offline: Annotated[bool, typer.Option("--offline", metavar="", help=(
         "Never touch the network: -m and pull use only models on disk (as HF_HUB_OFFLINE=1)."))] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", metavar="", help=(
+        "Notes about caches: an entry not used, and why."))] = False,
 ) -> None:
     """Generate text with open language models (gpt2, llama, mistral, mixtral, qwen2, gemma)."""
 
@@ -159,6 +161,31 @@ ThreadsOption = Annotated[int | None, _option(
     "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "
          "'lmcli info'); OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT, when set, are kept.",
     "--threads", panel=MODEL_PANEL, min=1, max=1024)]
+
+
+PromptCacheOption = Annotated[str | None, _option(
+    "DIR|off", "Keep prompts' keys and values between runs in DIR (default: prompts/ in the lmcli cache), or "
+               "'off'. Used only where it gives exactly a fresh run's text (quantized weights, the default).",
+    "--prompt-cache", panel=MODEL_PANEL)]
+PromptCacheSizeOption = Annotated[str | None, _option(
+    "SIZE", "Most the prompt cache keeps on disk, e.g. 500M or 4G (default 2G); the least recently used go first.",
+    "--prompt-cache-size", panel=MODEL_PANEL)]
+
+
+def _use_prompt_cache(directory: str | None, size: str | None) -> None:
+    """--prompt-cache and --prompt-cache-size, for the library below (io/prompt_blocks.py reads them)."""
+    from lmcli.io.sizes import PROMPT_CACHE_ENV, PROMPT_CACHE_SIZE_ENV, parse_size
+
+    if size is not None:
+        try:
+            parse_size(size)
+        except ValueError as e:
+            raise UsageError(f"--prompt-cache-size {size}: {e}") from None
+        os.environ[PROMPT_CACHE_SIZE_ENV] = size
+    if directory is not None:
+        if directory.strip() == "":
+            raise UsageError("--prompt-cache needs a directory, or 'off'")
+        os.environ[PROMPT_CACHE_ENV] = directory
 
 
 ServerOption = Annotated[str | None, _option(
@@ -356,6 +383,8 @@ def generate(
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = None,
     threads: ThreadsOption = None,
+    prompt_cache: PromptCacheOption = None,
+    prompt_cache_size: PromptCacheSizeOption = None,
     *,
     decoding: DecodingFlags,
     chat: Annotated[bool, _switch(
@@ -408,7 +437,8 @@ def generate(
                  "--logprobs": logprobs is not None and input_path is None,
                  "--color-probs": color_probs, "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
                  "--tp": tp, "--model": model, "--checkpoint": checkpoint, "--tokenizer": tokenizer,
-                 "--quantize": quantize, "--no-truncate": no_truncate}
+                 "--quantize": quantize, "--no-truncate": no_truncate, "--prompt-cache": prompt_cache,
+                 "--prompt-cache-size": prompt_cache_size}
         from lmcli.jobs import runs
         from lmcli.serve import client
 
@@ -421,6 +451,7 @@ def generate(
         client.generate(server, runs.read_prompt(prompt), decoding, chat=chat, system=system, stats=stats)
         return
     _use_threads(threads)
+    _use_prompt_cache(prompt_cache, prompt_cache_size)
     _check_job_flags(prompt, input_path, output_path, batch_size, resume, overwrite, output_format)
     if logprobs is not None and input_path is None and output_format != OutputFormat.jsonl:
         raise UsageError("--logprobs goes into JSON output; add --format jsonl")
@@ -555,6 +586,8 @@ def chat(
     quantize: QuantizeOption = None,
     compile_decode: CompileOption = None,
     threads: ThreadsOption = None,
+    prompt_cache: PromptCacheOption = None,
+    prompt_cache_size: PromptCacheSizeOption = None,
     *,
     decoding: DecodingFlags,
     system: Annotated[str | None, _option("TEXT", "The system message.", panel=PROMPT_PANEL)] = None,
@@ -593,7 +626,8 @@ def chat(
         _refuse_local_flags({"--model": model, "--checkpoint": checkpoint, "--quantize": quantize,
                              "--device": device != Device.auto, "--dtype": dtype != DType.auto,
                              "--compile": compile_decode, "--threads": threads, "--color-probs": color_probs,
-                             "--prompt-lookup": prompt_lookup, "--draft-model": draft_model})
+                             "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
+                             "--prompt-cache": prompt_cache, "--prompt-cache-size": prompt_cache_size})
         from lmcli.serve import client
         from lmcli.serve.remote_chat import run_remote_chat
 
@@ -609,6 +643,7 @@ def chat(
     from lmcli.generation import speculative_setup as speculation
 
     _use_threads(threads)
+    _use_prompt_cache(prompt_cache, prompt_cache_size)
     speculate = speculation.from_flags(prompt_lookup, draft_model, num_draft_tokens,
                                        draft_quantize.value if draft_quantize is not None else None)
     settings = _settings_from_flags(decoding, chat=True, system=system)
@@ -651,6 +686,8 @@ def serve(
     dtype: DTypeOption = DType.auto,
     quantize: QuantizeOption = None,
     threads: ThreadsOption = None,
+    prompt_cache: PromptCacheOption = None,
+    prompt_cache_size: PromptCacheSizeOption = None,
     host: Annotated[str, typer.Option("--host", metavar="HOST", rich_help_panel=SERVE_PANEL,
                                       help="Address to listen on (another than localhost warns without --api-key).")
                     ] = "127.0.0.1",
@@ -689,6 +726,7 @@ def serve(
       curl http://127.0.0.1:8000/v1/completions -d '{"prompt": "The sky is", "max_tokens": 16}'
     """
     _use_threads(threads)
+    _use_prompt_cache(prompt_cache, prompt_cache_size)
     from lmcli.serve.server import ServeOptions, served_defaults
     from lmcli.serve.server import serve as run_server
 
@@ -767,6 +805,41 @@ def info(
     attention = native_attention.describe() if getattr(loaded, "batch_invariant", False) else "torch, batched"
     facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe()), ("attention", attention)]
     print_facts(facts, terminal=sys.stdout.isatty())
+
+
+@app.command()
+def cache(
+    action: Annotated[str | None, typer.Argument(
+        metavar="[clear]", show_default=False, help="clear: empty the caches (all, or those the flags name).")] = None,
+    prompts: Annotated[bool, _switch("--prompts", "Only the prompt cache's blocks.")] = False,
+    packed: Annotated[bool, _switch("--packed", "Only the packed weights.")] = False,
+    compiled: Annotated[bool, _switch("--compiled", "Only the compiled programs.")] = False,
+    prompt_cache: PromptCacheOption = None,
+) -> None:
+    """Show the caches lmcli keeps (packed weights, compiled programs, prompt blocks) and their sizes;
+    'lmcli cache clear' empties them."""
+    from lmcli.io import cache_dirs
+    from lmcli.io.sizes import human_bytes
+
+    if action not in (None, "clear"):
+        raise UsageError(f"cache {action}: unknown action (only 'clear')")
+    if action is None and (prompts or packed or compiled):
+        raise UsageError("--prompts, --packed and --compiled choose what 'lmcli cache clear' empties")
+    _use_prompt_cache(prompt_cache, None)
+    chosen = [kind for kind, on in (("prompts", prompts), ("packed", packed), ("compiled", compiled)) if on]
+    for kind in chosen or list(cache_dirs.KINDS):
+        use = cache_dirs.clear(kind) if action == "clear" else cache_dirs.usage(kind)
+        what = cache_dirs.WHAT[kind]
+        if use.directory is None:
+            typer.echo(f"{what}: off")
+        elif action == "clear":
+            typer.echo(f"{what}: removed {_files(use.files)}, {human_bytes(use.bytes)} ({use.directory})")
+        else:
+            typer.echo(f"{what}: {_files(use.files)}, {human_bytes(use.bytes)} ({use.directory})")
+
+
+def _files(count: int) -> str:
+    return f"{count} file" if count == 1 else f"{count} files"
 
 
 @app.command()

@@ -60,7 +60,9 @@ class LmcliGroup(TyperGroup):
             os.environ["LMCLI_FAST_KERNELS"] = "1"
         if "--offline" in args[:end]:  # like --debug, anywhere; read by lmcli/resolve/hub.py (and huggingface_hub)
             os.environ["HF_HUB_OFFLINE"] = "1"
-        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels", "--offline")] + args[end:]
+        if "--verbose" in args[:end]:  # like --debug, anywhere; read by io/prompt_blocks.py
+            os.environ["LMCLI_VERBOSE"] = "1"
+        args = [a for a in args[:end] if a not in ("--debug", "--fast-kernels", "--offline", "--verbose")] + args[end:]
         try:
             code = super().main(args, prog_name or "lmcli", complete_var, standalone_mode=False,
                                windows_expand_args=windows_expand_args, **extra)

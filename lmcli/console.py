@@ -152,8 +152,40 @@ def job_summary(report: Any, output_path: Path | None) -> str:
     continuous = getattr(report, "continuous", None)  # generation.continuous.ContinuousStats
     if continuous is not None and continuous.steps:
         parts.append(f"batch {continuous.occupancy:.0%} full")
-        parts.append(f"prefill {continuous.prefill_computed} of {continuous.prefill_requested} tokens computed")
+        parts.append(f"prefill {continuous.prefill_computed} of {continuous.prefill_requested} tokens computed"
+                     + _reuse(getattr(continuous, "from_disk", 0), getattr(continuous, "from_memory", 0)))
+        if getattr(continuous, "prompt_cache", None):
+            parts.append(continuous.prompt_cache)
     return " · ".join(parts)
+
+
+def _reuse(from_disk: int, from_memory: int) -> str:
+    return f" ({from_disk} from disk, {from_memory} from memory)" if from_disk or from_memory else ""
+
+
+def prompt_cache_line(prefix: Any) -> str:
+    """One line about a run's prompt cache (generation/prefix_cache.PrefixCache, or None: not used)."""
+    if prefix is None:
+        return "prompt cache: not used (only where reusing keys is exact: quantized weights, batch-invariant kernels)"
+    stats = prefix.stats
+    line = (f"prefill {stats.computed} of {stats.requested} tokens computed"
+            + _reuse(stats.from_disk, stats.from_memory))
+    return line + " · " + prompt_cache_state(prefix)
+
+
+def prompt_cache_state(prefix: Any) -> str:
+    """Where the prompt cache keeps blocks, or why it could not."""
+    if prefix.unusable:
+        return f"prompt cache: not used ({prefix.unusable})"
+    disk = prefix.disk
+    if disk is None:
+        return "prompt cache: memory only"
+    notes = []
+    if disk.skipped:
+        notes.append(f"{disk.skipped} damaged or foreign entries skipped")
+    if not disk.writable:
+        notes.append("not writable")
+    return f"prompt cache: {disk.directory}" + (f" ({', '.join(notes)})" if notes else "")
 
 
 def print_dim(line: str) -> None:

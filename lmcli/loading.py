@@ -117,7 +117,9 @@ def load(checkpoint: str | Path | ResolvedModel | None = None, model: str | None
     if tp is not None and tp > 1 and quantize in ("int4", "int8"):
         raise UsageError(f"--tp {tp} with --quantize {quantize}: tensor parallel needs float weights for now")
     with ExitStack() as open_files:  # a GGUF file stays mapped while its tensors are placed one by one
-        return _load(checkpoint, dtype, device, tp, quantize, open_files)
+        built, tokenizer = _load(checkpoint, dtype, device, tp, quantize, open_files)
+    setattr(built, "resolved", checkpoint)  # noqa: B010 - nn.Module types its attributes; its fingerprint keys the prompt cache's blocks on disk (generation/prefix_cache.py)
+    return built, tokenizer
 
 
 def _load(resolved: ResolvedModel, dtype: str | torch.dtype | None, device: torch.device, tp: int | None,

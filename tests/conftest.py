@@ -32,6 +32,9 @@ def pytest_configure(config):
     # cache's own tests (test_startup_packed.py) turn it on.
     os.environ.setdefault("LMCLI_PACKED_CACHE", "0")
     os.environ.setdefault("LMCLI_COMPILE", "0")  # no compiled program runs unless a test asks (test_compile*.py)
+    # Prompt blocks are not kept between tests' runs (a test's prefill counts are its own); the prompt
+    # cache's tests (test_prompt_cache*.py) give each case its own directory.
+    os.environ.setdefault("LMCLI_PROMPT_CACHE", "off")
     # Nothing is downloaded unless a test asks (test_hub.py, against its own local server).
     os.environ["HF_HUB_OFFLINE"] = "1"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,13 +37,14 @@ TESTS = Path(__file__).resolve().parent
 TURNED_OFF = {
     "LMCLI_PACKED_CACHE": "test_every_start_path_of_the_default_model_with_the_defaults",
     "LMCLI_COMPILE": "test_generate_with_the_defaults_encoder_decoder",  # and every decoder test here
+    "LMCLI_PROMPT_CACHE": "test_generate_twice_with_the_defaults_reuses_the_prompt_blocks",
 }
 # Variables conftest.py sets that keep the suite to itself (where it writes, what it reaches), not what
 # lmcli computes, each with why.
 ISOLATION = {"LMCLI_CACHE_DIR": "each test here gives its own fresh cache directory",
              "HF_HUB_OFFLINE": "nothing is downloaded in the suite; a user's Hub access is tested against "
                                "a local server (test_hub.py)"}
-FEATURES_OFF = {"LMCLI_COMPILE": "0", "LMCLI_PACKED_CACHE": "0"}
+FEATURES_OFF = {"LMCLI_COMPILE": "0", "LMCLI_PACKED_CACHE": "0", "LMCLI_PROMPT_CACHE": "off"}
 
 
 def _env(cache: Path, off: bool = False) -> dict[str, str]:
@@ -109,6 +111,20 @@ def test_every_start_path_of_the_default_model_with_the_defaults(smollm2_gguf, u
     draft = _lmcli(user_cache, "generate", "--draft-model", str(smollm2_gguf), *args)
     assert _ok(draft, quiet=False) == want and "speculation will be slower" in draft.stderr  # its own size
     assert len(draft.stderr.strip().splitlines()) == 1, draft.stderr
+
+
+def test_generate_twice_with_the_defaults_reuses_the_prompt_blocks(smollm2_gguf, user_cache):
+    """The prompt cache is on by default: a first run computes its whole prompt (so it is the cache-off
+    run: `--stats` shows nothing restored) and writes the prompt's blocks under the cache directory; a
+    second run of the same prompt reads them from disk and prints the same text."""
+    system = "You answer in one short sentence. " + "Be precise, be polite, be brief. " * 12
+    args = ("generate", "--stats", "--chat", "--system", system, "--greedy", "-n", "6", "Name a fruit.")
+    first = _lmcli(user_cache, *args)
+    assert re.search(r"prefill (\d+) of \1 tokens computed ·", first.stderr), first.stderr
+    assert list((user_cache / "prompts").rglob("*.lmpb"))
+    second = _lmcli(user_cache, *args)
+    assert _ok(second, quiet=False) == _ok(first, quiet=False) and first.stdout.strip()
+    assert "from disk" in second.stderr, second.stderr
 
 
 def test_chat_with_the_defaults_decoder(smollm2_gguf, user_cache):

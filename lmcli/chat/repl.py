@@ -190,7 +190,9 @@ class ChatRepl:
             if not argument:
                 raise ChatError("/save needs a file name")
             path = session.save(argument, self.model_info)
-            self.note(f"saved {len(session.messages)} messages to {path}")
+            kept = session.keep_blocks()  # so that --resume restores the conversation, not computes it (0: none)
+            self.note(f"saved {len(session.messages)} messages to {path}"
+                      + (f" (its {kept} tokens kept in the prompt cache)" if kept else ""))
         elif name == "undo":
             self.note("last exchange dropped" if session.undo() else "nothing to undo")
         else:
@@ -233,7 +235,7 @@ class ChatRepl:
                 self.note(f"warning: {cut}", style="yellow")
         if self.options.stats:
             summary = getattr(turn, "summary", None)  # a turn from a server (lmcli.serve.remote_chat) says its own
-            self.note(summary() if summary is not None else _turn_summary(turn))
+            self.note(summary() if summary is not None else _turn_summary(turn, getattr(self.session, "prefix_cache", None)))
             speculator = getattr(self.session.model, "speculator", None)  # lmcli.generation.speculative_setup: the chat's totals
             if speculator is not None:
                 self.note(speculator.summary())
@@ -329,9 +331,14 @@ def _show(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def _turn_summary(turn: Turn) -> str:
+def _turn_summary(turn: Turn, prefix: Any = None) -> str:
     # How much of the conversation the model had to process: the rest came from the cache.
-    return f"{row_summary(turn.result)} · prefill {turn.prefill_tokens} of {turn.prompt_tokens} tokens"
+    line = f"{row_summary(turn.result)} · prefill {turn.prefill_tokens} of {turn.prompt_tokens} tokens"
+    if turn.from_disk or turn.from_memory:
+        line += f" ({turn.from_disk} from the prompt cache on disk, {turn.from_memory} from its memory)"
+    if prefix is not None and prefix.unusable:
+        line += f" · prompt cache: not used ({prefix.unusable})"
+    return line
 
 
 # ----------------------------------------------------------------------------- the command

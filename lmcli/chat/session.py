@@ -62,6 +62,8 @@ class Turn:
     prefill_tokens: int  # of those, the ones the model processed (the rest came from the cache)
     dropped_messages: int  # old messages dropped this turn to fit the context
     interrupted: bool
+    from_disk: int = 0  # of the tokens not processed, those the prompt cache read from disk (a resumed chat)
+    from_memory: int = 0  # and those it held in memory
 
     @property
     def reply(self) -> str:
@@ -194,6 +196,7 @@ class ChatSession:
         reused = self._reusable_prefix(ids)
         stopped_early = False
         cached_after = 0
+        restored = [0, 0]  # tokens the prompt cache gave: from disk, from memory
 
         def run(x, *, on_token, ignore_output, **kwargs):
             def on_token_or_stop(event):
@@ -207,11 +210,13 @@ class ChatSession:
             nonlocal cached_after, reused
             speculator = getattr(self.model, "speculator", None)  # lmcli.generation.speculative_setup.SpeculatingModel
             with torch.inference_mode():
-                if self._cache is None:  # speculation trims rejected guesses: rings keep room for that
-                    rollback = {"rollback": speculator.request.num_draft_tokens} if speculator else {}
-                    self._cache = self.model.init_cache(1, self.context, **rollback)
+                if self._cache is None:
+                    self._cache = self._new_cache()
                 if self.prefix_cache is not None and self.prefix_cache.longest(ids, self._cache) > reused:
+                    before = (self.prefix_cache.stats.from_disk, self.prefix_cache.stats.from_memory)
                     reused = self.prefix_cache.restore(ids, self._cache)  # only full layers' caches take it
+                    restored[0] = self.prefix_cache.stats.from_disk - before[0]
+                    restored[1] = self.prefix_cache.stats.from_memory - before[1]
                 if speculator is not None:
                     speculator.run(x, on_token=on_token_or_stop, ignore_output=True, cache=self._cache,
                                    cached=reused, **kwargs)
@@ -231,7 +236,7 @@ class ChatSession:
         self._cached_ids = (ids + result.tokens)[:cached_after]
         if self.prefix_cache is not None:
             self.prefix_cache.store(self._cached_ids, self._cache, len(self._cached_ids))
-        return self._record(messages, ids, hidden, result, len(ids) - reused, stopped_early)
+        return self._record(messages, ids, hidden, result, len(ids) - reused, stopped_early, restored)
 
     def _beam_turn(self, messages: list[dict], ids: list[int], hidden: int, row: Any,
                    on_text: Callable[[RowResult, str], None] | None) -> Turn:
@@ -250,14 +255,57 @@ class ChatSession:
         return self._record(messages, ids, hidden, result, len(ids), stopped_early)
 
     def _record(self, messages: list[dict], ids: list[int], hidden: int, result: RowResult, prefill: int,
-                stopped_early: bool) -> Turn:
+                stopped_early: bool, restored: tuple[int, int] | list[int] = (0, 0)) -> Turn:
         """The turn's reply joins the conversation."""
         if stopped_early:
             result.finish_reason = "interrupted"
         dropped = hidden - self.hidden
         self.messages = [*messages, {"role": "assistant", "content": result.text.text}]
         self.hidden = hidden
-        return Turn(result, len(ids), prefill, dropped, stopped_early)
+        return Turn(result, len(ids), prefill, dropped, stopped_early, *restored)
+
+    def _new_cache(self) -> Any:
+        """The conversation's cache. With a prefix cache, every layer keeps every slot (a sliding-window
+        layer too, masked to its window), so that its blocks can be stored and restored exactly; else a
+        sliding-window layer keeps a ring of its window (speculation trims rejected guesses: the ring
+        keeps room for that)."""
+        speculator = getattr(self.model, "speculator", None)
+        if self.prefix_cache is not None and speculator is None:
+            return self.model.init_cache(1, self.context, rollback=self.context)
+        rollback = {"rollback": speculator.request.num_draft_tokens} if speculator else {}
+        return self.model.init_cache(1, self.context, **rollback)
+
+    def keep_blocks(self) -> int:
+        """Make sure the prompt cache holds the conversation as a resumed session renders it (/save): the
+        tokens not in the session's cache are computed, and the blocks are stored (on disk too). Returns
+        the tokens kept; 0 without a prefix cache or a conversation."""
+        import torch
+
+        from lmcli.generation.step import Step
+
+        prefix = getattr(self, "prefix_cache", None)  # a server's session (serve/remote_chat.py) has no model here
+        if prefix is None or getattr(self.model, "speculator", None) is not None or not self.messages:
+            return 0
+        visible = self._visible(self.messages, self.hidden)
+        ids = self.tokenizer.encode_chat(visible, add_generation_prompt=visible[-1]["role"] != "assistant")
+        if not ids or len(ids) > self.context:
+            return 0
+        with torch.inference_mode():
+            if self._cache is None:
+                self._cache = self._new_cache()
+            reused = self._reusable_prefix(ids)
+            if self._cache is None:  # it could not go back far enough
+                self._cache = self._new_cache()
+            if prefix.longest(ids, self._cache) > reused:
+                reused = prefix.restore(ids, self._cache)
+            n = len(ids)
+            slots = torch.arange(reused, n, device=self.model.device)
+            x = torch.tensor([ids[reused:]], dtype=torch.long, device=self.model.device)  # (1, n - reused)
+            is_token = torch.ones(1, n, dtype=torch.bool, device=self.model.device)
+            Step.of(self.model).prefill(x, slots[None], slots, is_token, self._cache)
+        self._cached_ids = ids
+        prefix.store(ids, self._cache, n)
+        return n
 
     def _fit(self, messages: list[dict]) -> tuple[list[int], int]:
         """The conversation's tokens, after dropping the oldest exchanges if it has outgrown the context.

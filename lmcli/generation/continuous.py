@@ -78,6 +78,9 @@ class ContinuousStats:
     prefill_requested: int = 0
     prefill_computed: int = 0
     prefix_evicted: int = 0  # prefix-cache blocks dropped to stay within its bound
+    from_disk: int = 0  # prompt tokens restored from the prefix cache's disk tier
+    from_memory: int = 0  # and from its memory
+    prompt_cache: str = ""  # where the prefix cache keeps blocks (console.prompt_cache_state)
     decode_seconds: float = 0.0  # wall time in the batched steps (their forwards and token choice)
 
     @property
@@ -88,6 +91,7 @@ class ContinuousStats:
         return {"rows": self.rows, "steps": self.steps, "occupancy": round(self.occupancy, 4),
                 "shifts": self.shifts, "rows_alone": self.alone, "prefill_requested": self.prefill_requested,
                 "prefill_computed": self.prefill_computed, "prefix_evicted": self.prefix_evicted,
+                "prefill_from_disk": self.from_disk, "prefill_from_memory": self.from_memory,
                 "decode_seconds": round(self.decode_seconds, 3)}
 
 
@@ -211,7 +215,7 @@ class ContinuousRun:
         device = model.device
         one = ModelCache([KVCache(1, config.num_key_value_heads, n, config.head_dim, model.dtype, device)
                           for _ in config.layer_types])
-        known = self.prefix_cache.logits(ids) if self.prefix_cache is not None else None  # a prompt seen before
+        known = self.prefix_cache.logits(ids, one) if self.prefix_cache is not None else None  # a prompt seen before
         cached = self.prefix_cache.restore(ids, one, whole=known is not None) if self.prefix_cache is not None else 0
         self.stats.prefill_requested += n
         self.stats.prefill_computed += n - cached

@@ -444,6 +444,12 @@ def _generate_rows(model, tokenizer, rows: Iterable[PreparedRow], batch_size: in
                         prefix_cache=prefix_cache_for(model))
     run.run(rows, isolate, errors=(ValueError, RuntimeError, LmcliError))
     run.stats.prefix_evicted = run.prefix_cache.stats.evicted if run.prefix_cache is not None else 0
+    if run.prefix_cache is not None:
+        from lmcli.console import prompt_cache_state
+
+        run.stats.from_disk = run.prefix_cache.stats.from_disk
+        run.stats.from_memory = run.prefix_cache.stats.from_memory
+        run.stats.prompt_cache = prompt_cache_state(run.prefix_cache)
     return run.stats
 
 

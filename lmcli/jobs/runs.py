@@ -58,8 +58,10 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         TerminalOutput,
         print_dim,
         probability_style,
+        prompt_cache_line,
         row_summary,
     )
+    from lmcli.generation.prefix_cache import single_run
     from lmcli.generation.rows import generate_batch, prepare_row, require_chat_template, truncation_warning
     from lmcli.settings.generation_settings import RowError
 
@@ -93,8 +95,10 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
             else:
                 output.write(piece)
 
+    prefix = single_prefix_cache(model, row)
     try:
-        [result] = generate_batch(model, tokenizer, [row], on_text=on_text)
+        [result] = generate_batch(model, tokenizer, [row], on_text=on_text,
+                                  run=single_run(model, prefix, row.prompt_ids) if prefix is not None else None)
     except KeyboardInterrupt:
         if output is not None:
             output.end()
@@ -114,9 +118,22 @@ def generate_one(prompt: str, settings, load, jsonl: bool, stats: bool, color_pr
         print_dim(row_summary(result))
     if stats:
         print_dim(decode_steps(model))
+        print_dim(prompt_cache_line(prefix))
     cut = incomplete_output(result, tokenizer, model.config)
     if cut is not None:
         raise cut
+
+
+def single_prefix_cache(model, row):
+    """The prefix cache (memory, and disk: generation/prefix_cache.py) for one prompt's run, where its
+    reuse is exact (prefix_cache_for) and the plain loop runs it: a decoder-only model, not split over
+    ranks, not speculating, no beams. None elsewhere."""
+    from lmcli.generation.prefix_cache import prefix_cache_for
+
+    able = (hasattr(model, "forward_slots") and not getattr(model.config, "is_encoder_decoder", False)
+            and getattr(model, "tensor_parallel", None) is None and getattr(model, "speculator", None) is None
+            and row.settings.beams == 1)
+    return prefix_cache_for(model) if able else None
 
 
 def incomplete_output(result, tokenizer, config) -> LmcliError | None:
