@@ -25,7 +25,8 @@ SECTIONS: dict[str, str] = {
     "startup": "lmcli.bench.startup",  # whole-process start-up and first token, with and without the packed cache
     "speculative": "lmcli.bench.speculative",
     "structured": "lmcli.bench.structured",  # decode with and without a JSON Schema, mask times
-    "server": "lmcli.bench.server",  # lmcli serve: client start-up, 8 streaming clients against a job, first-token latency
+    "server": "lmcli.bench.server",
+    "lora": "lmcli.bench.lora",  # LoRA adapters: decode cost at batch 1, 4 adapters against 1 in a batch of 8  # lmcli serve: client start-up, 8 streaming clients against a job, first-token latency
 }
 DEFAULT_SECTIONS = ("engines",)
 

@@ -27,7 +27,7 @@ import re
 import sys
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,12 +45,27 @@ NONE = "none"  # a row's "lora": "none": no adapter at all
 @dataclass(frozen=True)
 class Routing:
     """Each row's adapters for one forward call: `levels[i]` is the i-th adapter of every row's stack,
-    either one table index for every row (an int; -1: none) or one per row [B] long (the table's last
-    entry, all zeros, for none). `per_token`: the tensors index the flattened tokens instead (the
-    subset of tokens an expert sees: `narrowed`)."""
+    either one table index for every row (an int; -1: none) or one per row [B] long (-1 for none).
+    `per_token`: the tensors index the flattened tokens instead (the subset of tokens an expert sees:
+    `narrowed`)."""
 
     levels: tuple[int | torch.Tensor, ...]
     per_token: bool = False
+    _groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = field(default_factory=dict, compare=False)
+
+    def groups(self, level: int, tokens: int) -> list[tuple[int, torch.Tensor]]:
+        """For a per-row level and `tokens` flattened tokens: [(adapter, token indices (m,))], each adapter
+        once, in its order; worked out once per forward call (every adapted layer asks)."""
+        key = (level, tokens)
+        found = self._groups.get(key)
+        if found is None:
+            index = self.levels[level]
+            assert isinstance(index, torch.Tensor)
+            if not self.per_token:
+                index = index.repeat_interleave(tokens // index.shape[0])  # rows -> tokens (B*T,)
+            found = [(int(v), (index == v).nonzero().view(-1)) for v in index.unique().tolist() if v >= 0]
+            self._groups[key] = found
+        return found
 
 
 _ROUTING: ContextVar[Routing | None] = ContextVar("lmcli_lora_routing", default=None)
@@ -99,10 +114,12 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = a.shape[-1], b.shape[1]
+        self.b_dtype = b.dtype
         self.a: torch.Tensor
-        self.b: torch.Tensor
-        self.register_buffer("a", a, persistent=False)
-        self.register_buffer("b", b, persistent=False)
+        self.b_t: torch.Tensor
+        self.register_buffer("a", a, persistent=False)  # (E + 1, R, K)
+        # (E + 1, R, N): B transposed, so the sum over the rank runs along an outer dim, vectorised over N.
+        self.register_buffer("b_t", b.transpose(1, 2).contiguous(), persistent=False)
         self.adapted = adapted
         self.stack = stack  # the command's adapters, stacked: entries 0 .. stack - 1 (routing None)
 
@@ -120,25 +137,32 @@ class LoraLinear(nn.Module):
         levels: Sequence[int | torch.Tensor] = range(self.stack) if routing is None else routing.levels
         flat = x.reshape(-1, self.in_features)  # (M, K)
         delta: torch.Tensor | None = None
-        for level in levels:
+        for position, level in enumerate(levels):
             if isinstance(level, int):
                 if level not in self.adapted:
                     continue  # an exact zero
-                a, b = self.a[level][None], self.b[level][None]  # (1, R, K), (1, N, R)
-            else:
-                index = level
-                if routing is not None and not routing.per_token:
-                    if x.shape[0] != index.shape[0]:
-                        raise RuntimeError(f"LoRA routing for {index.shape[0]} rows given a batch of {x.shape[0]}")
-                    index = index.repeat_interleave(flat.shape[0] // index.shape[0])  # rows -> tokens (B*T,)
-                a, b = self.a[index], self.b[index]  # (M, R, K), (M, N, R)
-            # Per row: the same elementwise products and sums whatever the batch holds (no BLAS blocking).
-            down = (flat.to(a.dtype)[:, None, :] * a).sum(-1)  # (M, R)
-            up = (down[:, None, :] * b).sum(-1)  # (M, N)
-            delta = up if delta is None else delta + up
+                up = self._update(flat, level)  # (M, N)
+                delta = up if delta is None else delta + up
+                continue
+            assert routing is not None
+            if not routing.per_token and x.shape[0] != level.shape[0]:
+                raise RuntimeError(f"LoRA routing for {level.shape[0]} rows given a batch of {x.shape[0]}")
+            # Rows grouped by adapter, each group with the arithmetic a row alone gets (`_update`).
+            total = torch.zeros(flat.shape[0], self.out_features, dtype=self.b_dtype, device=flat.device) \
+                if delta is None else delta
+            for adapter, tokens in routing.groups(position, flat.shape[0]):
+                if adapter in self.adapted:
+                    total.index_add_(0, tokens, self._update(flat.index_select(0, tokens), adapter))
+            delta = total
         if delta is None:
             return y
         return (y + delta.view(y.shape)).to(y.dtype)
+
+    def _update(self, flat: torch.Tensor, adapter: int) -> torch.Tensor:
+        """x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) -> (m, N): elementwise products summed over K, then over
+        the rank, each row on its own (no BLAS call, whose blocking could depend on m)."""
+        down = (flat.to(self.a.dtype)[:, None, :] * self.a[adapter]).sum(-1)  # (m, R)
+        return (down[:, :, None] * self.b_t[adapter]).sum(1)  # (m, N)
 
     def extra_repr(self) -> str:
         return f"adapters={len(self.adapted)}, rank={self.a.shape[1]}"
@@ -382,9 +406,9 @@ def routing_for(model: Any, choices: Sequence[str | None]) -> Routing | None:
     depth = max(len(s) for s in stacks)
     levels: list[int | torch.Tensor] = []
     for i in range(depth):
-        column = [s[i] if i < len(s) else count for s in stacks]  # count: the all-zeros entry
+        column = [s[i] if i < len(s) else -1 for s in stacks]  # -1: none
         if len(set(column)) == 1:
-            levels.append(column[0] if column[0] < count else -1)
+            levels.append(column[0])
         else:
             levels.append(torch.tensor(column, dtype=torch.long, device=model.device))
     return Routing(tuple(levels))
