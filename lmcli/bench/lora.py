@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,7 @@ def write_random_adapter(directory: Path, config: Any, rank: int = RANK, seed: i
     return directory
 
 
-def _decode(model: Any, ids: Any, steps: int, choices: list[str | None]) -> float:
+def _decode(model: Any, ids: Any, steps: int, choices: Sequence[str | None]) -> float:
     """Tokens a second between the first and the last token of a greedy run, the rows' adapters `choices`."""
     import torch
 
@@ -110,7 +110,7 @@ def measure(settings: BenchSettings, resolved: ResolvedModel, progress: Callable
         for name, run in runs.items():
             rates[name].append(run())
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    kinds = sorted({m.base.kernel.name for m in adapted.modules()
+    kinds = sorted({str(getattr(m.base, "kernel").name) for m in adapted.modules()
                     if isinstance(m, lora.LoraLinear) and hasattr(m.base, "kernel")})
     return {"model": resolved.path.name, "rank": RANK, "adapters": ADAPTERS, "steps": steps, "rounds": rounds,
             "torch_threads": torch.get_num_threads(), "beside": ", ".join(kinds) or "float weights",

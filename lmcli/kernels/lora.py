@@ -121,7 +121,10 @@ class LoraLinear(nn.Module):
         # (E + 1, R, N): B transposed, so the sum over the rank runs along an outer dim, vectorised over N.
         self.register_buffer("b_t", b.transpose(1, 2).contiguous(), persistent=False)
         self.adapted = adapted
-        self.stack = stack  # the command's adapters, stacked: entries 0 .. stack - 1 (routing None)
+        # The command's adapters, stacked (routing None), those adapting this module.
+        self.default = tuple(e for e in range(stack) if e in adapted)
+        # Each entry's A and B as plain attributes: a forward reads them without nn.Module's lookup.
+        self.__dict__["views"] = list(zip(self.a.unbind(0), self.b_t.unbind(0)))
 
     @property
     def weight(self) -> Any:  # what code asking a projection for its weight (dtype, device) finds
@@ -132,19 +135,22 @@ class LoraLinear(nn.Module):
         return getattr(self.base, "bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)  # (..., N)
+        y = self.base(x)  # (..., N), a new tensor: the update is added in place
         routing = _ROUTING.get()
-        levels: Sequence[int | torch.Tensor] = range(self.stack) if routing is None else routing.levels
         flat = x.reshape(-1, self.in_features)  # (M, K)
+        out = y.view(-1, self.out_features)  # (M, N)
+        if routing is None:  # the command's adapters for every row: the common case, kept short
+            for adapter in self.default:
+                out += self._update(flat, adapter)
+            return y
         delta: torch.Tensor | None = None
-        for position, level in enumerate(levels):
+        for position, level in enumerate(routing.levels):
             if isinstance(level, int):
                 if level not in self.adapted:
                     continue  # an exact zero
                 up = self._update(flat, level)  # (M, N)
                 delta = up if delta is None else delta + up
                 continue
-            assert routing is not None
             if not routing.per_token and x.shape[0] != level.shape[0]:
                 raise RuntimeError(f"LoRA routing for {level.shape[0]} rows given a batch of {x.shape[0]}")
             # Rows grouped by adapter, each group with the arithmetic a row alone gets (`_update`).
@@ -154,15 +160,16 @@ class LoraLinear(nn.Module):
                 if adapter in self.adapted:
                     total.index_add_(0, tokens, self._update(flat.index_select(0, tokens), adapter))
             delta = total
-        if delta is None:
-            return y
-        return (y + delta.view(y.shape)).to(y.dtype)
+        if delta is not None:
+            out += delta
+        return y
 
     def _update(self, flat: torch.Tensor, adapter: int) -> torch.Tensor:
         """x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) -> (m, N): elementwise products summed over K, then over
         the rank, each row on its own (no BLAS call, whose blocking could depend on m)."""
-        down = (flat.to(self.a.dtype)[:, None, :] * self.a[adapter]).sum(-1)  # (m, R)
-        return (down[:, :, None] * self.b_t[adapter]).sum(1)  # (m, N)
+        a, b_t = self.views[adapter]  # (R, K), (R, N)
+        down = (flat[:, None, :] * a).sum(-1)  # (m, R)
+        return (down[:, :, None] * b_t).sum(1)  # (m, N)
 
     def extra_repr(self) -> str:
         return f"adapters={len(self.adapted)}, rank={self.a.shape[1]}"
