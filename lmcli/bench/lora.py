@@ -110,8 +110,8 @@ def measure(settings: BenchSettings, resolved: ResolvedModel, progress: Callable
         for name, run in runs.items():
             rates[name].append(run())
     medians = {name: statistics.median(values) for name, values in rates.items()}
-    kinds = sorted({str(getattr(m.base, "kernel").name) for m in adapted.modules()
-                    if isinstance(m, lora.LoraLinear) and hasattr(m.base, "kernel")})
+    bases: list[Any] = [m.base for m in adapted.modules() if isinstance(m, lora.LoraLinear)]
+    kinds = sorted({str(base.kernel.name) for base in bases if hasattr(base, "kernel")})
     return {"model": resolved.path.name, "rank": RANK, "adapters": ADAPTERS, "steps": steps, "rounds": rounds,
             "torch_threads": torch.get_num_threads(), "beside": ", ".join(kinds) or "float weights",
             **{f"tok_s_{name}": round(value, 1) for name, value in medians.items()},

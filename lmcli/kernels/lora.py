@@ -123,6 +123,7 @@ class LoraLinear(nn.Module):
         self.adapted = adapted
         # The command's adapters, stacked (routing None), those adapting this module.
         self.default = tuple(e for e in range(stack) if e in adapted)
+        self.views: list[tuple[torch.Tensor, torch.Tensor]]
         # Each entry's A and B as plain attributes: a forward reads them without nn.Module's lookup.
         self.__dict__["views"] = list(zip(self.a.unbind(0), self.b_t.unbind(0)))
 
