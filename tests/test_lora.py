@@ -383,3 +383,49 @@ def test_info_describes_an_adapter(saved, tmp_path):
     parameters = 2 * 2 * (8 * (32 + 32)) + 2 * 2 * (8 * (32 + 16)) + 2 * (8 * (32 + 48)) * 2 + 2 * 8 * (48 + 32)
     assert facts["size"].startswith(f"{parameters:,} parameters")
     assert math.isfinite(read_adapter(str(tmp_path / "adapter")).alpha or 0)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+
+def test_generate_jobs_and_info_with_lora(tiny_checkpoint, three_adapters, tmp_path):
+    """`generate --lora` gives transformers+peft's greedy tokens; a job's rows pick adapters by name (or none),
+    each as `generate --lora` gives it alone; an unknown name is that row's error; `info --lora` describes it."""
+    import transformers
+    from typer.testing import CliRunner
+
+    from lmcli.cli import app
+    from lmcli.io.tokenizer import load_tokenizer
+
+    def cli(*args):
+        result = CliRunner().invoke(app, [str(a) for a in args])
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    flags = ["-c", tiny_checkpoint, "--greedy", "-n", "6", "--ignore-eos", "--format", "jsonl"]
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    prompt = "Hello there"
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint),
+                                               three_adapters[1]).eval()
+    want = reference.generate(ids, max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, ids.shape[1]:].tolist()
+    alone = {}
+    for name, path in [("alpha", three_adapters[0]), ("beta", three_adapters[1]), ("none", None)]:
+        row = json.loads(cli("generate", *flags, *(["--lora", path] if path else []), prompt))
+        alone[name] = row["completion"]
+    assert alone["beta"] == tokenizer.decode(want)
+    assert len(set(alone.values())) == 3
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(json.dumps(r) for r in [{"prompt": prompt, "lora": "alpha"}, {"prompt": prompt, "lora": "beta"},
+                                                      {"prompt": prompt, "lora": "none"}, {"prompt": prompt, "lora": "zeta"}]))
+    out = tmp_path / "out.jsonl"
+    job = CliRunner().invoke(app, ["generate", *map(str, flags[:-2]), "--input", str(rows), "-o", str(out),
+                                   "--lora", three_adapters[0], "--lora", three_adapters[1]])
+    assert job.exit_code == 1 and "1 of 4 rows failed" in job.output  # the row naming no loaded adapter
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    by_lora = {r.get("settings", {}).get("lora"): r for r in results}
+    assert by_lora["alpha"]["completion"] == alone["alpha"] and by_lora["beta"]["completion"] == alone["beta"]
+    assert by_lora["none"]["completion"] == alone["none"]
+    assert "no adapter named 'zeta'" in next(r["error"] for r in results if "error" in r)
+    info = cli("info", tiny_checkpoint, "--lora", f"{three_adapters[2]}:0.5")
+    assert "rank: 6" in info and "q_proj" in info and "adapter: gamma" in info
