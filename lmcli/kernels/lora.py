@@ -10,10 +10,11 @@ adapter, scale folded into B.
 Which adapters a row gets travels beside the forward call, not in the model: the scheduler that knows
 the rows sets a `Routing` (`routed(...)`) around its forward passes; with none set, every row gets the
 command's adapters (all of them, stacked). A row's update is computed with the same per-row arithmetic
-whatever else its batch holds: its own A and B (gathered by its adapter index, or the one table entry
-when every row has the same), multiplied elementwise and summed over the input, then over the rank,
-each row on its own (`(x[:, None, :] * A).sum(-1)`), in the adapters' fixed order. A batch of rows
-with different adapters therefore gives each row what it gets alone (docs/guarantees.md).
+whatever else its batch holds: the rows are grouped by adapter, and each group's rows are multiplied
+elementwise by its A and summed over the input, then by its B and summed over the rank, each row on its
+own (`(x[:, None, :] * A).sum(-1)`), the adapters of a stack in their fixed order. A batch of rows with
+different adapters therefore gives each row what it gets alone (docs/guarantees.md; checked on the
+default model with 4 adapters, the command's and none in a batch of 8, greedy and sampled).
 
 The targets are the projections every architecture has, by their HF names: q/k/v/o, gate/up/down, a
 mixtral expert's w1/w2/w3, and GPT-2's c_attn/c_proj/c_fc. After loading, q/k/v and gate/up are fused
@@ -167,7 +168,9 @@ class LoraLinear(nn.Module):
 
     def _update(self, flat: torch.Tensor, adapter: int) -> torch.Tensor:
         """x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) -> (m, N): elementwise products summed over K, then over
-        the rank, each row on its own (no BLAS call, whose blocking could depend on m)."""
+        the rank, each row on its own. Not a matrix product: BLAS may block one by the row count, and a
+        batched product (one per row) measured faster but changed a row's tokens in a batch of 8 on the
+        default model; these sums did not."""
         a, b_t = self.views[adapter]  # (R, K), (R, N)
         down = (flat[:, None, :] * a).sum(-1)  # (m, R)
         return (down[:, :, None] * b_t).sum(1)  # (m, N)
@@ -389,7 +392,8 @@ def attach(model: Any, specs: Sequence[str], merge: bool, strict: bool = False,
         return None
     files = [read_adapter(spec) for spec in specs]
     for adapter in files:
-        check_base_model(adapter, model_names, strict)
+        if model_names:
+            check_base_model(adapter, model_names, strict)
     return apply(model, files, merge)
 
 
