@@ -169,7 +169,8 @@ def test_int4_adapter_beside_the_kernel_equals_it_on_dequantised_weights(saved, 
     base_gap = (_logits(model) - _logits(twin)).abs().max()  # the int4 kernel against F.linear, no adapter
     lora.attach(model, [str(tmp_path / "adapter")], merge=True)  # int4: never merged, whatever is asked
     assert not model.lora.merged
-    kernels = [m.base.kernel.name for m in model.modules() if isinstance(m, lora.LoraLinear) and hasattr(m.base, "kernel")]
+    bases: list = [m.base for m in model.modules() if isinstance(m, lora.LoraLinear)]
+    kernels = [base.kernel.name for base in bases if hasattr(base, "kernel")]
     assert kernels, "the adapter sits beside quantized kernels"
     lora.attach(twin, [str(tmp_path / "adapter")], merge=True)
     assert twin.lora.merged
@@ -404,6 +405,7 @@ def test_generate_jobs_and_info_with_lora(tiny_checkpoint, three_adapters, tmp_p
 
     flags = ["-c", tiny_checkpoint, "--greedy", "-n", "6", "--ignore-eos", "--format", "jsonl"]
     tokenizer = load_tokenizer(tiny_checkpoint)
+    assert tokenizer is not None
     prompt = "Hello there"
     ids = torch.tensor([tokenizer.encode(prompt)])
     reference = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint),
