@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
+from real_models import smollm2_gguf  # noqa: F401 (fixture)
 from tiny import CASES, VOCAB, build_reference, save_reference
 
 import lmcli
@@ -431,3 +432,43 @@ def test_generate_jobs_and_info_with_lora(tiny_checkpoint, three_adapters, tmp_p
     assert "no adapter named 'zeta'" in next(r["error"] for r in results if "error" in r)
     info = cli("info", tiny_checkpoint, "--lora", f"{three_adapters[2]}:0.5")
     assert "rank: 6" in info and "q_proj" in info and "adapter: gamma" in info
+
+
+@pytest.mark.full
+def test_server_requests_pick_adapters(tmp_path, smollm2_gguf):
+    """`lmcli serve --lora A --lora B`: a request's "lora" picks one (as a local run with that adapter
+    alone gives it), none gives the command's stack, "none" the plain model; an unknown name is a 400."""
+    import httpx
+    from serve_fixtures import API_KEY, serving
+
+    from lmcli.bench.lora import write_random_adapter
+    from lmcli.generation.rows import generate_batch, prepare_row
+    from lmcli.resolve.model_ref import resolve_model
+    from lmcli.settings.generation_settings import GenerationSettings
+
+    resolved = resolve_model(smollm2_gguf)
+    model, tokenizer = lmcli.load(resolved)
+    paths = [str(write_random_adapter(tmp_path / name, model.config, rank=4, seed=i)) + ":30"
+             for i, name in enumerate(["sea", "sky"])]
+
+    def local(specs, prompt):
+        loaded, _ = lmcli.load(resolved)
+        lora.attach(loaded, specs, merge=False)
+        row = prepare_row(tokenizer, 1, prompt, GenerationSettings(temperature=0, max_new_tokens=12))
+        return tokenizer.decode(generate_batch(loaded, tokenizer, [row])[0].tokens)
+
+    prompt = "The ocean is"
+    with serving(tmp_path, *[f for p in paths for f in ("--lora", p)]) as served:
+        def ask(**more):
+            response = httpx.post(f"{served.base_url}/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                                  json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **more}, timeout=120)
+            return response.status_code, response.json()
+
+        answers = {name: ask(lora=name) for name in ("sea", "sky", "none")}
+        assert all(status == 200 for status, _ in answers.values()), answers
+        texts = {name: body["choices"][0]["text"] for name, (_, body) in answers.items()}
+        status, error = ask(lora="lake")
+    assert status == 400 and "no adapter named 'lake'" in error["error"]["message"]
+    assert texts["sea"] == local(paths[:1], prompt) and texts["sky"] == local(paths[1:], prompt)
+    assert texts["none"] == local([], prompt)
+    assert len(set(texts.values())) == 3
