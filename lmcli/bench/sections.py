@@ -27,6 +27,7 @@ SECTIONS: dict[str, str] = {
     "structured": "lmcli.bench.structured",  # decode with and without a JSON Schema, mask times
     "beams": "lmcli.bench.beams",  # beam search with 4 beams against greedy decode: the same model, prompt and tokens
     "server": "lmcli.bench.server",  # lmcli serve: client start-up, 8 streaming clients against a job, first-token latency
+    "lora": "lmcli.bench.lora",  # LoRA adapters: decode cost at batch 1, 4 adapters against 1 in a batch of 8
 }
 DEFAULT_SECTIONS = ("engines",)
 

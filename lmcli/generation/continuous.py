@@ -45,6 +45,7 @@ from lmcli.generation.rows import (
 )
 from lmcli.generation.sampling import ProcessorChain, make_processor_chain, make_sampler
 from lmcli.generation.step import Step
+from lmcli.kernels import lora
 from lmcli.models.cache import KVCache, ModelCache
 
 SCHEDULER_ENV = "LMCLI_JOB_SCHEDULER"  # "continuous" or "batches": overrides use_continuous's choice
@@ -215,8 +216,11 @@ class ContinuousRun:
         device = model.device
         one = ModelCache([KVCache(1, config.num_key_value_heads, n, config.head_dim, model.dtype, device)
                           for _ in config.layer_types])
-        known = self.prefix_cache.logits(ids, one) if self.prefix_cache is not None else None  # a prompt seen before
-        cached = self.prefix_cache.restore(ids, one, whole=known is not None) if self.prefix_cache is not None else 0
+        # A row with adapters of its own (kernels/lora.py) computes other keys for the same tokens: it
+        # neither reuses nor stores prefixes (the others share the command's adapters, or none).
+        prefix_cache = self.prefix_cache if row.settings.lora is None else None
+        known = prefix_cache.logits(ids, one) if prefix_cache is not None else None  # a prompt seen before
+        cached = prefix_cache.restore(ids, one, whole=known is not None) if prefix_cache is not None else 0
         self.stats.prefill_requested += n
         self.stats.prefill_computed += n - cached
         x = torch.tensor([ids], dtype=torch.long, device=device)  # (1, n)
@@ -224,11 +228,12 @@ class ContinuousRun:
         logits = known  # (1, V)
         if cached < n:
             slots = torch.arange(cached, n, device=device)
-            logits = self.step.prefill(x[:, cached:], slots[None], slots, is_token, one, self.prefill_chunk)
+            with lora.routed(lora.routing_for(model, [row.settings.lora])):
+                logits = self.step.prefill(x[:, cached:], slots[None], slots, is_token, one, self.prefill_chunk)
         assert logits is not None
         logits = logits.float()
-        if self.prefix_cache is not None:
-            self.prefix_cache.store(ids, one, n, logits)
+        if prefix_cache is not None:
+            prefix_cache.store(ids, one, n, logits)
         policy = batch_policy(model, self.tokenizer, [row], n)
         chain = make_processor_chain(policy.do_sample, 1.0, None, None, policy.processors)
         choose = make_sampler(policy.do_sample, [row.seed] if policy.do_sample else None, 1, device)
@@ -329,8 +334,11 @@ class ContinuousRun:
         positions = torch.tensor([[column - live.start if live is not None else 0] for live in batch.rows],
                                  device=device)  # (B, 1)
         feed = torch.tensor(batch.feed, dtype=torch.long, device=device)[:, None]  # (B, 1)
-        logits = self.step.decode(feed, positions, torch.tensor([column], device=device), batch.slot_is_token,
-                                  batch.cache).float()  # (B, V)
+        # A free place's output is never read: it takes whatever costs least (the command's adapters).
+        choices = [live.result.row.settings.lora if live is not None else None for live in batch.rows]
+        with lora.routed(lora.routing_for(self.model, choices)):
+            logits = self.step.decode(feed, positions, torch.tensor([column], device=device), batch.slot_is_token,
+                                      batch.cache).float()  # (B, V)
         batch.column += 1
         self.stats.steps += 1
         self.stats.busy += sum(busy)

@@ -101,7 +101,23 @@ def numerics_key(model: Any) -> dict[str, Any] | None:
                                "generation/prefix_cache.py", "io/prompt_blocks.py")),
         "kernel_env": {name: os.environ.get(name, "") for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS", "LMCLI_NATIVE")},
         "threads": "any" if numerics.batch_invariant else threads.signature(),
+        "lora": _adapters_digest(model),
     }
+
+
+def _adapters_digest(model: Any) -> str | None:
+    """The command's LoRA adapters (kernels/lora.py) change every key and value a row without its own
+    adapter computes: a digest of their names, order, scales and every number, or None without any."""
+    adapters = getattr(model, "lora", None)
+    if adapters is None:
+        return None
+    digest = hashlib.sha256(repr((adapters.names, adapters.merged)).encode())
+    for adapter in adapters.files:
+        for name, target in sorted(adapter.targets.items()):
+            digest.update(f"{adapter.name}/{name}/{target.scale!r}/{adapter.rope_permuted}".encode())
+            for tensor in (target.a, target.b):
+                digest.update(tensor.detach().contiguous().float().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def single_run(model: Any, prefix: PrefixCache, ids: list[int]) -> Callable[..., torch.Tensor]:

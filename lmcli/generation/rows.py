@@ -292,7 +292,19 @@ def generate_batch(
             ended[i] = result.done
         return torch.tensor(ended, device=event.token_id.device)
 
-    (run or model.generate)(
+    from lmcli.kernels import lora
+
+    with lora.routed(lora.routing_for(model, [r.settings.lora for r in rows])):  # each row's adapters
+        _run_batch(run or model.generate, input_ids, rows, policy, attention_mask, stop_at_eos, pad_id, on_token)
+    for i, result in enumerate(results):
+        if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
+            finish(i, "length")
+    return results
+
+
+def _run_batch(generate: Callable[..., Any], input_ids: Any, rows: list[PreparedRow], policy: BatchPolicy,
+               attention_mask: Any, stop_at_eos: set[int], pad_id: int, on_token: Callable[..., Any]) -> None:
+    generate(
         input_ids,
         max_new_tokens=max(r.settings.max_new_tokens for r in rows),
         do_sample=policy.do_sample,
@@ -304,10 +316,6 @@ def generate_batch(
         on_token=on_token,
         ignore_output=True,  # on_token has seen every token already
     )
-    for i, result in enumerate(results):
-        if not result.done:  # generate stopped before the row's own limit (e.g. the context is full)
-            finish(i, "length")
-    return results
 
 
 def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[PreparedRow],
@@ -331,13 +339,10 @@ def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepare
     encoder_decoder = getattr(model.config, "is_encoder_decoder", False)
     started = time.perf_counter()
     results = [new_result(tokenizer, r, started, encoder_decoder) for r in rows]
-    out = model.generate(input_ids, max_new_tokens=settings.max_new_tokens, do_sample=False,
-                         attention_mask=attention_mask, eos_token_id=sorted(stop_at_eos) or None, pad_token_id=pad_id,
-                         logits_processors=policy.processors, num_beams=k,
-                         length_penalty=1.0 if settings.length_penalty is None else settings.length_penalty,
-                         early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never",
-                         renormalize_logits=bool(settings.model_defaults.rules.get("renormalize_logits")),
-                         **({"should_stop": stop} if stop is not None else {}))
+    from lmcli.kernels import lora
+
+    with lora.routed(lora.routing_for(model, [r.settings.lora for r in rows for _ in range(k)])):
+        out = _beam_generate(model, input_ids, settings, attention_mask, stop_at_eos, pad_id, policy, k, stop)
     new_tokens = out[:, 1:] if encoder_decoder else out[:, width:]  # (B, n): after the start token or the prompt
     for result, tokens in zip(results, new_tokens.tolist()):
         reason = "length"
@@ -348,6 +353,18 @@ def _beam_batch(model: GeneratingModel, tokenizer: Tokenizer, rows: list[Prepare
                 break
         finish_row(result, reason, on_text, on_done)
     return results
+
+
+def _beam_generate(model: GeneratingModel, input_ids: Any, settings: GenerationSettings, attention_mask: Any,
+                   stop_at_eos: set[int], pad_id: int, policy: BatchPolicy, k: int,
+                   stop: Callable[[], bool] | None = None) -> Any:
+    return model.generate(input_ids, max_new_tokens=settings.max_new_tokens, do_sample=False,
+                         attention_mask=attention_mask, eos_token_id=sorted(stop_at_eos) or None, pad_token_id=pad_id,
+                         logits_processors=policy.processors, num_beams=k,
+                         length_penalty=1.0 if settings.length_penalty is None else settings.length_penalty,
+                         early_stopping=bool(settings.early_stopping) if settings.early_stopping != "never" else "never",
+                         renormalize_logits=bool(settings.model_defaults.rules.get("renormalize_logits")),
+                         **({"should_stop": stop} if stop is not None else {}))
 
 
 def logprob_steps(tokenizer: Tokenizer, event: TokenEvent, k: int) -> Callable[[int], dict[str, Any]]:

@@ -325,6 +325,10 @@ def run_job(
                     require_chat_template(tokenizer)
                 prepared = prepare_row(tokenizer, row.id, row.prompt, row.settings, row.input_hash,
                                        context=model.config.max_position_embeddings)
+                if row.settings.lora is not None:  # an adapter that is not loaded: this row's error
+                    from lmcli.kernels import lora
+
+                    lora.check_row(model, row.settings.lora)
             except RowError as e:
                 write_error(row, f"line {row.line}: {e}")
                 progress.advance()

@@ -71,6 +71,8 @@ def unsupported(model: BaseModel) -> str | None:
         return "sliding-window layers (a rolling cache) are not exported"
     if model.batch_invariant and (model.dtype != torch.bfloat16 or config.attn_logit_softcapping is not None):
         return "batch-invariant attention is exported only in bfloat16 without a softcap"
+    if getattr(getattr(model, "lora", None), "merged", True) is False:
+        return "LoRA adapters beside the weights are not exported"
     if holds_native_kernels(model):
         return "lmcli's native kernels are not exported (LMCLI_KERNEL=int4pack compiles with torch's)"
     return None

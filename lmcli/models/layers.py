@@ -17,6 +17,7 @@ from torch import nn
 
 from lmcli.config import ACTIVATIONS as ACTIVATION_NAMES
 from lmcli.config import SLIDING, ModelConfig, RopeConfig
+from lmcli.kernels import lora
 from lmcli.kernels.linear import QuantLinear, fuse_linears
 
 
@@ -332,6 +333,7 @@ class SparseMoE(nn.Module):
         out = torch.zeros_like(tokens)
         for expert_index in chosen.unique().tolist():
             token_index, slot = (chosen == expert_index).nonzero(as_tuple=True)
-            expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
+            with lora.narrowed(token_index, tokens.shape[0]):  # per-row LoRA adapters, for these tokens
+                expert_out = self.experts[expert_index](tokens[token_index])  # (n, hidden)
             out.index_add_(0, token_index, expert_out * weights[token_index, slot, None])
         return out.view(shape)

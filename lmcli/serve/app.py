@@ -156,6 +156,7 @@ async def _completion(state: ServerState, request: Request, url: str) -> Respons
         first_id = next(state.ids) * 1000  # room for n choices
         parsed = await asyncio.to_thread(parse, url, body, state.base, state.tokenizer, state.vocab_size,
                                          state.context, first_id)
+        _check_lora(state, parsed)
     except ApiError as e:
         return logged(error_response(e))
     record.update(stream=parsed.stream, n=len(parsed.rows), prompt_tokens=len(parsed.rows[0].prompt_ids))
@@ -202,6 +203,21 @@ async def _completion(state: ServerState, request: Request, url: str) -> Respons
 
     return StreamingResponse(stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _check_lora(state: ServerState, parsed: ServeRequest) -> None:
+    """A request's "lora" must name an adapter the server loaded (--lora), or "none": 400 otherwise."""
+    name = parsed.rows[0].settings.lora
+    if name is None:
+        return
+    from lmcli.kernels import lora
+    from lmcli.serve.requests import bad
+    from lmcli.settings.generation_settings import RowError
+
+    try:
+        lora.check_row(state.scheduler.model, name)
+    except RowError as e:
+        raise bad(f"body field {e}", "lora") from None
 
 
 class _Exchange:

@@ -91,6 +91,7 @@ class GenerationSettings(DecodingFields):
     prompt_lookup: bool = False  # speculate by prompt lookup (lmcli.generation.speculative_setup)
     draft_model: bool = False  # speculate with the command's --draft-model
     num_draft_tokens: int | None = None  # the bound on a guess (None: lmcli.generation.speculative's default)
+    lora: str | None = None  # the loaded LoRA adapter this row gets, by name (kernels/lora.py); None: the command's
     # Where each setting above came from (FLAG, ROW, the model's file); absent means lmcli's default.
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     model_defaults: ModelDefaults = field(default_factory=ModelDefaults, compare=False, repr=False)
@@ -341,6 +342,8 @@ class GenerationSettings(DecodingFields):
             out["logit_bias"] = dict(self.logit_bias)
         if self.constraint is not None:
             out.update(self.constraint.describe())
+        if self.lora is not None:
+            out["lora"] = self.lora
         return out
 
     def described(self) -> list[tuple[str, str, str]]:
@@ -442,7 +445,7 @@ def input_hasher(settings: GenerationSettings) -> Callable[[Any], str]:
     json.dumps({"prompt": prompt, "settings": values}, sort_keys=True, ensure_ascii=False)."""
     values = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)
               if f.compare and f.name not in SPECULATION}
-    for name in ("num_beams", "length_penalty", "early_stopping"):  # newer than the hashes of earlier outputs
+    for name in ("num_beams", "length_penalty", "early_stopping", "lora"):  # newer than the hashes of earlier outputs
         if values[name] is None:
             del values[name]
     if not settings.greedy:  # speculation leaves greedy text as it is, and draws a sampled row's differently

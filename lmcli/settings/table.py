@@ -269,6 +269,8 @@ SETTINGS = _table(
     Setting("draft_model", SWITCH, optional=False, flag="--draft-model", row=True, openai=("draft_model",)),
     Setting("num_draft_tokens", INTEGER, low=1, high=MAX_DRAFT_TOKENS, said=f"an integer from 1 to {MAX_DRAFT_TOKENS}",
             flag="--num-draft-tokens", row=True, openai=("num_draft_tokens",)),
+    # Which of the command's LoRA adapters (--lora) a row gets, by name; "none" for none; unset: all of them.
+    Setting("lora", TEXT, flag="--lora", row=True, openai=("lora",)),
 )
 SPECULATION = ("prompt_lookup", "draft_model", "num_draft_tokens")
 SAMPLING_ONLY = tuple(name for name, setting in SETTINGS.items() if setting.sampling_only)
