@@ -4,14 +4,15 @@
   `python -c "import typer"` and `lmcli --help`: fresh processes, the kinds interleaved round after round,
   medians reported.
 - Throughput: the job bench's chat questions (bench_job.target_job_rows, with its shared system
-  message), made greedy, every special token banned (logit_bias -100, so no row ends before its
-  max_tokens and every engine makes the same number of tokens) and sent by 8 streaming clients at once
-  to `lmcli serve` (batch 8) and to `python -m llama_cpp.server` on the same GGUF with the same thread
-  count; and the same rows run as an lmcli job (jobs.run_job, continuous, batch 8) in this process on
-  its own copy of the model while the servers idle. The three take turns in each round (the order
-  reversed every other round) so that the shared machine's load falls on all of them alike; medians of
-  generated tokens per second of wall time. llama_cpp.server runs with `--interrupt_requests False`: by
-  default it cuts a stream short whenever another request waits, which would not be the same work.
+  message; a third of --job-rows, at least 16), made greedy, 64 tokens each with every special token
+  banned (logit_bias -100, so no row ends early and every engine makes the same number of tokens), sent
+  by 8 streaming clients at once to `lmcli serve` (batch 8) and to `python -m llama_cpp.server` on the
+  same GGUF with the same thread count; and the same rows run as an lmcli job (jobs.run_job,
+  continuous, batch 8) in this process on its own copy of the model while the servers idle. The three
+  take turns in each round (the order reversed every other round) so that the shared machine's load
+  falls on all of them alike; 2 or 3 rounds (--repeats; 1 with --quick), medians of generated tokens per
+  second of wall time. llama_cpp.server runs with `--interrupt_requests False`: by default it cuts a
+  stream short whenever another request waits, which would not be the same work.
 - First-token latency: C clients (1, 8, 32) each sending short streaming requests one after another, so
   new requests keep joining a busy batch; p50 and p99 of the time from sending to the first text, for
   each server (the servers alternating within each client count).
@@ -45,6 +46,7 @@ PROMPT = "The capital of France is"
 CLIENTS = 8
 LATENCY_CLIENTS = (1, 8, 32)
 LATENCY_TOKENS = 16
+SERVE_TOKENS = 64  # each throughput row's max_tokens (and its tokens: special tokens are banned)
 START_SECONDS = 300
 LMCLI, LLAMA_CPP = "lmcli", "llama.cpp"
 
@@ -71,9 +73,10 @@ def measure(settings: Any, resolved: Any, progress: Callable[[str], None]) -> di
             llama = stack.enter_context(_process(llama_cpp_command(path, port, threads), llama_log, env))
             urls[LLAMA_CPP] = _wait_for_llama_cpp(llama, llama_log, f"http://127.0.0.1:{port}")
         startup = _startup(urls[LMCLI], model_flag, env, 3 if quick else max(5, settings.repeats), progress)
-        throughput = _throughput(urls, resolved, settings.threads, 16 if quick else max(24, settings.job_rows // 2),
-                                 64 if quick else 128, 1 if quick else 3, progress)
-        latency = _latency(urls, 2 if quick else 4, progress)
+        rounds = 1 if quick else min(3, max(2, settings.repeats))
+        throughput = _throughput(urls, resolved, settings.threads, max(16, settings.job_rows // 3), SERVE_TOKENS,
+                                 rounds, progress)
+        latency = _latency(urls, 2 if quick else 3, progress)
     return {"startup": startup, "throughput": throughput, "latency": latency, "batch_size": CLIENTS,
             "threads": threads, "llama_cpp": why_not or f"llama_cpp.server {_llama_cpp_version()}"}
 
@@ -339,7 +342,14 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
         figures["vs_llama_cpp"] = round(median[LMCLI] / median[LLAMA_CPP], 3)
         # Different kernels and rounding: greedy texts agree for a while, then may part.
         figures["llama_cpp_same_text_rows"] = sum(texts[LLAMA_CPP][i] == text for i, text in texts[LMCLI].items())
+        figures["llama_cpp_common_prefix_chars"] = statistics.median(
+            _common_prefix(texts[LLAMA_CPP][i], text) for i, text in texts[LMCLI].items())
     return figures
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """How many characters two texts share from their start."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _latency(urls: dict[str, str], each: int, progress: Callable[[str], None]) -> dict[str, Any]:
