@@ -10,7 +10,7 @@
   same GGUF with the same thread count; and the same rows run as an lmcli job (jobs.run_job,
   continuous, batch 8) in this process on its own copy of the model while the servers idle. The three
   take turns in each round (the order reversed every other round) so that the shared machine's load
-  falls on all of them alike; 2 or 3 rounds (--repeats; 1 with --quick), medians of generated tokens per
+  falls on all of them alike, after a warm-up batch each that is not counted; 2 or 3 rounds (--repeats; 1 with --quick), medians of generated tokens per
   second of wall time. llama_cpp.server runs with `--interrupt_requests False`: by default it cuts a
   stream short whenever another request waits, which would not be the same work.
 - First-token latency: C clients (1, 8, 32) each sending short streaming requests one after another, so
@@ -305,30 +305,44 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
     rates: dict[str, list[float]] = {name: [] for name in (*urls, "job")}
     texts: dict[str, dict[int, str]] = {}
     counts_equal = True
+
+    def once(name: str, path: Path, rows: list[dict[str, Any]], tokens: int) -> tuple[float, dict[int, str], bool]:
+        """One engine through `rows`: (generated tok/s, each row's text, whether each made `tokens`)."""
+        if name == "job":
+            out = io.StringIO()
+            started = time.perf_counter()
+            report = run_job(path, JobOutput(out), GenerationSettings(chat=True).with_model_defaults(
+                resolved.defaults), load=lambda: (model, tokenizer), batch_size=CLIENTS)
+            rate = report.tokens / (time.perf_counter() - started)
+            records = [json.loads(line) for line in out.getvalue().splitlines()]
+            return rate, {record["id"]: record["completion"] for record in records}, report.tokens == len(rows) * tokens
+        bodies = [request_body(row, usage=name == LMCLI) for row in rows]
+        seconds, results = _clients(urls[name], bodies, CLIENTS)
+        rate = sum(result["tokens"] for result in results) / seconds
+        return (rate, {row["id"]: result["text"] for row, result in zip(rows, results)},
+                all(result["finish"] == "length" for result in results))
+
     with tempfile.TemporaryDirectory(prefix="lmcli-bench-server-job-") as scratch:
         path = Path(scratch) / "rows.jsonl"
         path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        # Not counted: each engine's first batch (its first requests, buffers, the prefix cache's system
+        # message) on other questions, so that round 1 measures what the later rounds measure.
+        warm_rows = [dict(row, id=f"warm-{row['id']}", max_new_tokens=8, prompt=f"{row['prompt']} Say it briefly.")
+                     for row in rows[:CLIENTS]]
+        warm_path = Path(scratch) / "warm.jsonl"
+        warm_path.write_text("".join(json.dumps(row) + "\n" for row in warm_rows), encoding="utf-8")
+        for name in (*urls, "job"):
+            progress(f"server: warming up {name}")
+            once(name, warm_path, warm_rows, 8)
         for r in range(rounds):
             order = [*urls, "job"]
             for name in order if r % 2 == 0 else reversed(order):
-                if name == "job":
-                    progress(f"server: the same rows as a job (batch {CLIENTS}), round {r + 1} of {rounds}")
-                    out = io.StringIO()
-                    started = time.perf_counter()
-                    report = run_job(path, JobOutput(out), GenerationSettings(chat=True).with_model_defaults(
-                        resolved.defaults), load=lambda: (model, tokenizer), batch_size=CLIENTS)
-                    rates["job"].append(report.tokens / (time.perf_counter() - started))
-                    records = [json.loads(line) for line in out.getvalue().splitlines()]
-                    texts["job"] = {record["id"]: record["completion"] for record in records}
-                    counts_equal = counts_equal and report.tokens == len(rows) * max_tokens
-                    continue
-                progress(f"server: {len(rows)} rows from {CLIENTS} streaming clients to {name}, "
-                         f"round {r + 1} of {rounds}")
-                bodies = [request_body(row, usage=name == LMCLI) for row in rows]
-                seconds, results = _clients(urls[name], bodies, CLIENTS)
-                rates[name].append(sum(result["tokens"] for result in results) / seconds)
-                texts[name] = {row["id"]: result["text"] for row, result in zip(rows, results)}
-                counts_equal = counts_equal and all(result["finish"] == "length" for result in results)
+                what = f"the same rows as a job (batch {CLIENTS})" if name == "job" else \
+                    f"{len(rows)} rows from {CLIENTS} streaming clients to {name}"
+                progress(f"server: {what}, round {r + 1} of {rounds}")
+                rate, texts[name], equal = once(name, path, rows, max_tokens)
+                rates[name].append(rate)
+                counts_equal = counts_equal and equal
     median = {name: statistics.median(values) for name, values in rates.items()}
     figures: dict[str, Any] = {
         "rows": len(rows), "clients": CLIENTS, "max_tokens": max_tokens, "rounds": rounds,
@@ -336,10 +350,13 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
         "ratio": round(median[LMCLI] / median["job"], 3),
         "same_text": texts[LMCLI] == texts["job"],  # greedy, batch-invariant: the served rows are the job's
         "equal_token_counts": counts_equal,  # every row of every engine ran to max_tokens
-        "each_round": {name: [round(v, 2) for v in values] for name, values in rates.items()}}
+        "each_round": {name: [round(v, 2) for v in values] for name, values in rates.items()},
+        # Within a round the three ran back to back: on a shared machine these move less than the rates.
+        "each_round_serve_vs_job": [round(a / b, 3) for a, b in zip(rates[LMCLI], rates["job"])]}
     if LLAMA_CPP in urls:
         figures["llama_cpp_tokens_per_s"] = round(median[LLAMA_CPP], 2)
         figures["vs_llama_cpp"] = round(median[LMCLI] / median[LLAMA_CPP], 3)
+        figures["each_round_serve_vs_llama_cpp"] = [round(a / b, 3) for a, b in zip(rates[LMCLI], rates[LLAMA_CPP])]
         # Different kernels and rounding: greedy texts agree for a while, then may part.
         figures["llama_cpp_same_text_rows"] = sum(texts[LLAMA_CPP][i] == text for i, text in texts[LMCLI].items())
         figures["llama_cpp_common_prefix_chars"] = statistics.median(
