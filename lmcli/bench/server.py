@@ -8,11 +8,13 @@
   banned (logit_bias -100, so no row ends early and every engine makes the same number of tokens), sent
   by 8 streaming clients at once to `lmcli serve` (batch 8) and to `python -m llama_cpp.server` on the
   same GGUF with the same thread count; and the same rows run as an lmcli job (jobs.run_job,
-  continuous, batch 8) in this process on its own copy of the model while the servers idle. The three
-  take turns in each round (the order reversed every other round) so that the shared machine's load
-  falls on all of them alike, after a warm-up batch each that is not counted; 2 or 3 rounds (--repeats; 1 with --quick), medians of generated tokens per
-  second of wall time. llama_cpp.server runs with `--interrupt_requests False`: by default it cuts a
-  stream short whenever another request waits, which would not be the same work.
+  continuous, batch 8) in this process on its own copy of the model while the servers idle. Each
+  round's questions carry the round's number, so that no engine has seen them before (a server's
+  prefix cache outlives a round, a job's does not). The three take turns in each round (the order
+  reversed every other round) so that the shared machine's load falls on all of them alike, after a
+  warm-up batch each that is not counted; 2 or 3 rounds (--repeats; 1 with --quick), medians of
+  generated tokens per second of wall time. llama_cpp.server runs with `--interrupt_requests False`:
+  by default it cuts a stream short whenever another request waits, which would not be the same work.
 - First-token latency: C clients (1, 8, 32) each sending short streaming requests one after another, so
   new requests keep joining a busy batch; p50 and p99 of the time from sending to the first text, for
   each server (the servers alternating within each client count).
@@ -301,7 +303,7 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
 
         lmcli_threads.configure(threads)
     banned = sorted(set(tokenizer.special_ids or ()) | set(tokenizer.eos_token_ids or ()))
-    rows = throughput_rows(count, max_tokens, banned)
+    base_rows = rows = throughput_rows(count, max_tokens, banned)
     rates: dict[str, list[float]] = {name: [] for name in (*urls, "job")}
     texts: dict[str, dict[int, str]] = {}
     counts_equal = True
@@ -323,8 +325,6 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
                 all(result["finish"] == "length" for result in results))
 
     with tempfile.TemporaryDirectory(prefix="lmcli-bench-server-job-") as scratch:
-        path = Path(scratch) / "rows.jsonl"
-        path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
         # Not counted: each engine's first batch (its first requests, buffers, the prefix cache's system
         # message) on other questions, so that round 1 measures what the later rounds measure.
         warm_rows = [dict(row, id=f"warm-{row['id']}", max_new_tokens=8, prompt=f"{row['prompt']} Say it briefly.")
@@ -335,6 +335,11 @@ def _throughput(urls: dict[str, str], resolved: Any, threads: int | None, count:
             progress(f"server: warming up {name}")
             once(name, warm_path, warm_rows, 8)
         for r in range(rounds):
+            # Each round's questions are new to every engine: a server keeps its prefix cache between
+            # rounds (a prompt seen before needs no prefill at all), a job starts each run with an empty one.
+            rows = [dict(row, prompt=f"{row['prompt']} (Question {r + 1}.{row['id']}.)") for row in base_rows]
+            path = Path(scratch) / f"rows-{r + 1}.jsonl"
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
             order = [*urls, "job"]
             for name in order if r % 2 == 0 else reversed(order):
                 what = f"the same rows as a job (batch {CLIENTS})" if name == "job" else \
@@ -372,7 +377,8 @@ def _common_prefix(a: str, b: str) -> int:
 def _latency(urls: dict[str, str], each: int, progress: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {name: {} for name in urls}
     for k, clients in enumerate(LATENCY_CLIENTS):
-        bodies = [{"messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea."}],
+        # New questions at each client count: none found whole in lmcli's prefix cache.
+        bodies = [{"messages": [{"role": "user", "content": f"Tell me fact number {i} about the sea ({clients})."}],
                    "max_tokens": LATENCY_TOKENS, "temperature": 0, "stream": True} for i in range(clients * each)]
         names = list(urls) if k % 2 == 0 else list(reversed(urls))
         for name in names:
