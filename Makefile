@@ -68,9 +68,10 @@ bench: install-test
 # AVX2 + AVX-512 code paths without -march=native; on a CPU without AVX-512 run
 # `make bench-deps LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"`.
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# The [server] extra is `llama_cpp.server`, which `lmcli bench --sections server` runs beside `lmcli serve`.
 bench-deps: install-test
-	@$(PYTHON) -c "import llama_cpp" 2>/dev/null \
-		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install llama-cpp-python
+	@$(PYTHON) -c "import llama_cpp, llama_cpp.server" 2>/dev/null \
+		|| CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" $(PIP) install "llama-cpp-python[server]"
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

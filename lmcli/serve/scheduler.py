@@ -79,6 +79,10 @@ class RowSink:
             self.put(Event("error", message=message, status=status))
 
 
+def _gone(sink: RowSink | None) -> bool:
+    return sink is None or sink.cancelled
+
+
 class QueueFull(Exception):
     pass
 
@@ -109,7 +113,7 @@ class Scheduler:
         with self._lock:
             if not self._admitting:
                 raise RuntimeError("the server is shutting down")
-            if len(self._waiting) + len(rows) > self.max_queue:
+            if self._queued(len(rows)) > self.max_queue:
                 raise QueueFull()
             for row, sink in zip(rows, sinks):
                 self.sinks[row.id] = sink
@@ -117,7 +121,18 @@ class Scheduler:
             self._lock.notify()
 
     def waiting(self) -> int:
-        return len(self._waiting)
+        """Rows waiting for a place in the batch: what /health reports and what admission counts."""
+        with self._lock:
+            return self._queued(0)
+
+    def _queued(self, more: int) -> int:
+        # The queue holds rows whose place in the batch is already free: the thread moves them in only
+        # between steps (or after a prefill), so a row that arrives while another is still on its way into
+        # a free place must not find the queue "full". A row waits only beyond the free places; a row whose
+        # client is gone holds none (the thread drops it when it comes to it). Called under the lock.
+        live = sum(1 for row in self._waiting if not _gone(self.sinks.get(row.id)))
+        free = max(0, self.batch_size - self.running)
+        return max(0, live + more - free)
 
     def stop_admitting(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import signal
 import socket
 import sys
@@ -149,3 +150,12 @@ def serve(options: ServeOptions, load: Callable[[], tuple[Any, Any]], identity: 
         sock.close()
     if scheduler.error is not None:
         sys.stderr.write(f"warning: the scheduler failed once: {type(scheduler.error).__name__}: {scheduler.error}\n")
+    if scheduler.thread.is_alive():
+        # Still inside one forward (a long prompt's prefill, or a cold first step on a busy machine), which
+        # nothing can interrupt: the interpreter's exit would tear torch down under it and abort the process
+        # ("terminate called without an active exception", exit -6). Its rows were ended already; leave now.
+        sys.stderr.write(f"lmcli serve: the model was still in a step {options.shutdown_timeout:g} s after the "
+                         "shutdown began (--shutdown-timeout); exiting without waiting for it\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
