@@ -111,6 +111,7 @@ def _check_bound(gguf_path: Path, torch_import_bytes: int, cache_dir: Path, pack
         f"+ KV cache {kv_cache / mib:.1f} MiB)")
 
 
+@pytest.mark.full  # with the packed cache off; the user's way (the next test) also starts from the GGUF first
 def test_default_model_peak_memory_within_bound(smollm2_gguf, torch_import_bytes, tmp_path):
     for _ in range(2):  # a first run (nothing cached) and a second one (whatever the first kept)
         _check_bound(smollm2_gguf, torch_import_bytes, tmp_path)

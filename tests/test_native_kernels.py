@@ -179,6 +179,7 @@ def test_a_failed_build_is_recorded_once(tmp_path):
     assert out.returncode == 0 and "no C++ compiler" in out.stdout
 
 
+@pytest.mark.full  # three loads of the real model and a float32 reference decoded through expanded weights: minutes
 def test_real_default_model_is_as_close_to_float32_as_torchs_kernel(smollm2_gguf, monkeypatch):
     """Teacher-forced along the float32 dequantised model's greedy text: the native path's mean KL from
     it is no worse than torch's int4 kernel's (it keeps float32 scales and sums), and its top-1 tokens

@@ -36,6 +36,9 @@ def test_greedy_generation_equals_transformers(real):
         assert len(expected) == GREEDY_TOKENS or ours[len(expected) - 1] in tokenizer.eos_token_ids
 
 
+# Gemma 3 under `make test-full`: padded batches of every architecture (gemma3_text included) are checked on
+# tiny models in test_generate.py, and the real Gemma keeps its greedy case above.
+@pytest.mark.parametrize("real", ["smollm2", pytest.param("gemma", marks=pytest.mark.full)], indirect=True)
 def test_left_padded_batch_of_real_prompts_equals_each_alone(real):
     _, path, model, tokenizer = real
     prompts = encoded_text_prompts(path)[:3]

@@ -49,6 +49,9 @@ def _transformers_model_from(checkpoint):
     return model.eval()
 
 
+# Gemma 3 under `make test-full`: its block types against gguf in test_quant_gguf.py, the real Gemma's
+# tokens against transformers in test_real_models.py.
+@pytest.mark.parametrize("model_case", ["smollm2", pytest.param("gemma", marks=pytest.mark.full)], indirect=True)
 def test_logits_equal_transformers_own_gguf_loading(model_case):
     name, path, checkpoint = model_case
     reference = model_reference(name, path)

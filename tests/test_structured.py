@@ -84,6 +84,8 @@ def run(model, tokenizer, prompts, constraints, seeds, max_new_tokens=60, extra=
     return rows
 
 
+@pytest.mark.full  # the same constraints, sampled and judged on the real model, run as job rows in
+# test_structured_cli.py::test_job_rows_each_with_their_own_constraint
 def test_json_schemas_regex_and_grammar_in_one_sampled_batch(smol):
     """Rows with nested objects, bounded arrays, enums, integer ranges, string patterns, a regex, a Lark
     grammar and no constraint at all, sampled with several seeds in one batch."""
@@ -138,7 +140,8 @@ def test_end_of_text_only_where_the_grammar_accepts(smol):
     assert free == ""  # the bias does end an unconstrained row at once
 
 
-@pytest.mark.parametrize("sampled", [True, False])
+# Greedy under `make test-full`: the masks and their overlap are the same path for a sampled row.
+@pytest.mark.parametrize("sampled", [True, pytest.param(False, marks=pytest.mark.full)])
 def test_batch_equals_each_row_alone_with_mixed_constraints(smol, sampled):
     """Each row of a mixed batch (masks built beside the forward pass) equals the row alone with its
     masks built after it: neither the neighbours nor the overlap change a row."""
@@ -188,6 +191,7 @@ def test_constraint_nothing_can_satisfy(smol):
         ConstraintMask(tokenizer, [Constraint.parse("regex", r"[^\x00-\U0010FFFF]")], model.config.vocab_size)
 
 
+@pytest.mark.full  # the same pattern through the CLI and as a job row beside a good one: test_structured_cli.py
 def test_pathological_pattern_stopped_by_the_engine_limits(smol):
     """A pattern that grows the engine's lexer without bound ends its row with the engine's error,
     quickly, and the other rows are unharmed."""

@@ -159,7 +159,9 @@ def test_stop_string_streams_its_final_text(smollm2_gguf, tmp_path):
     assert result["completion"].startswith('{"name": "') and '"ro' not in result["completion"], result
 
 
-@pytest.mark.parametrize("kind", ["regex", "grammar"])
+# --grammar under `make test-full`: the flag reads its file as --json-schema does (tested above), and grammars
+# are judged on the real model in the job rows test.
+@pytest.mark.parametrize("kind", ["regex", pytest.param("grammar", marks=pytest.mark.full)])
 def test_regex_and_grammar_flags_on_the_default_model(smollm2_gguf, tmp_path, kind):
     grammar = tmp_path / "sums.lark"
     grammar.write_text(SUMS)

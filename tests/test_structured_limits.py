@@ -76,6 +76,7 @@ def depth(value) -> int:
 # --- defect 3: a limit that cuts a structured output -----------------------------------------------
 
 
+@pytest.mark.full  # 200 masked tokens; the same cut at -n 6 on the real model: test_structured_cli.py
 def test_a_schema_cut_by_n_says_so_names_the_limit_and_exits_3(smollm2_gguf):
     """The issue's repro (as a JSONL row, to see its finish reason; plain text takes the same path): the
     text is written and is not JSON (the parser says so), stderr names -n 200, exit 3, and the row keeps

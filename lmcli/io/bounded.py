@@ -26,17 +26,22 @@ def size_text(size: int) -> str:
     return f"{size / MiB:,.0f} MiB" if size >= MiB else f"{size:,} bytes"
 
 
-def read_bounded(path: str | Path, limit: int, error: type[LmcliError], what: str = "") -> bytes:
-    """The bytes of `path`, refused with `error` (naming the file) when it holds more than `limit`."""
+def read_bounded(path: str | Path, limit: int, error: type[LmcliError], what: str = "", *,
+                 unreadable: str = "cannot read {name}: {reason}",
+                 too_large: str = "{name}: the file is {size}, more than the {limit} lmcli reads") -> bytes:
+    """The bytes of `path`, refused with `error` (naming the file) when it holds more than `limit`.
+
+    `unreadable` and `too_large` word the refusals (fields: name, reason; name, size, limit) where a
+    caller's messages differ; a device or pipe read past the bound says "more than the ... lmcli reads"."""
     name = f"{what} {path}".strip()
     try:
         with open(path, "rb") as file:
             size = os.fstat(file.fileno()).st_size
             if size > limit:
-                raise error(f"{name}: the file is {size_text(size)}, more than the {size_text(limit)} lmcli reads")
-            data = file.read(limit + 1)
+                raise error(too_large.format(name=name, size=size_text(size), limit=size_text(limit)))
+            data = file.read(limit + 1)  # bounded whatever the file is: /dev/zero's size says nothing
     except OSError as e:
-        raise error(f"cannot read {name}: {e.strerror or e}") from None
+        raise error(unreadable.format(name=name, reason=e.strerror or e)) from None
     if len(data) > limit:
         raise error(f"{name}: more than the {size_text(limit)} lmcli reads")
     return data

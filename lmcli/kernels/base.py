@@ -7,9 +7,13 @@ neither imports the other to share this.
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lmcli.io.group_quantized import GroupQuantized
 
 
 class Kernel(nn.Module):
@@ -32,6 +36,26 @@ class Kernel(nn.Module):
         """Rows `index` (R,) -> (R, K) in the activation dtype or `dtype` (an embedding lookup, or the
         head's float32 logits: linear.QuantHead), or None."""
         return None
+
+
+class GroupKernel(Kernel):
+    """A kernel that keeps a group-quantized weight's codes, scales and offsets (in a layout of its own)
+    as buffers: the dequantising kernel and lmcli's native one."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+
+    def __init__(self, q: GroupQuantized, dtype: torch.dtype):
+        n, k = q.shape
+        super().__init__(n, k, dtype)
+        self.bits, self.group = q.bits, q.group
+
+    def _hold(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> None:
+        """Keep the stored form as buffers, which `.to()` moves and packed models map, but not in a state dict."""
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
 
 
 def _with_rows(template: Kernel, n: int, **buffers: torch.Tensor | None) -> Kernel:

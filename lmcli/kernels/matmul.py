@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from lmcli.io.group_quantized import GroupQuantized, unpack_nibbles, unpack_nibbles_numpy
-from lmcli.kernels.base import Kernel, _with_rows
+from lmcli.kernels.base import GroupKernel, Kernel, _with_rows
 
 # --- torch's packed int4 layout on the CPU ------------------------------------------------------------
 
@@ -106,22 +106,15 @@ def cpu_pack_layout() -> PackLayout | None:
 # --- kernels ---------------------------------------------------------------------------------------
 
 
-class DequantiseKernel(Kernel):
+class DequantiseKernel(GroupKernel):
     """Codes, scales and offsets as loaded (4-bit codes two to a byte); expanded on every call."""
 
     name = "dequantise"
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
 
     def __init__(self, q: GroupQuantized, dtype: torch.dtype):
-        n, k = q.shape
-        super().__init__(n, k, dtype)
-        self.bits, self.group = q.bits, q.group
-        self.register_buffer("codes", q.codes.contiguous(), persistent=False)  # 4-bit: two codes a byte
-        self.register_buffer("scales", q.scales.to(dtype), persistent=False)
-        offsets = q.offsets.to(dtype) if q.offsets is not None else None
-        self.register_buffer("offsets", offsets, persistent=False)
+        super().__init__(q, dtype)
+        self._hold(q.codes.contiguous(),  # 4-bit: two codes a byte
+                   q.scales.to(dtype), q.offsets.to(dtype) if q.offsets is not None else None)
 
     def _expand(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
                 dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -18,7 +18,7 @@ import os
 import torch
 
 from lmcli.io.group_quantized import GroupQuantized
-from lmcli.kernels.base import Kernel
+from lmcli.kernels.base import GroupKernel
 
 BLOCK = 16  # output rows per block
 
@@ -37,18 +37,14 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-class NativeKernel(Kernel):
+class NativeKernel(GroupKernel):
     """Codes, scales and offsets in the layout of csrc/qmm.h, multiplied by lmcli's C++ library."""
 
     name = "native"
-    codes: torch.Tensor
-    scales: torch.Tensor
-    offsets: torch.Tensor | None
 
     def __init__(self, q: GroupQuantized, dtype: torch.dtype):
-        n, k = q.shape
-        super().__init__(n, k, dtype)
-        self.bits, self.group = q.bits, q.group
+        super().__init__(q, dtype)
+        n, k = self.n, self.k
         blocks = -(-n // BLOCK)
         per_chunk = 4 if self.bits == 4 else 2  # columns in 32 bytes
         codes = torch.empty(blocks, k // per_chunk * 32, dtype=torch.uint8)  # (NB, bytes per block)
@@ -57,10 +53,7 @@ class NativeKernel(Kernel):
             b1 = min(blocks, b0 + slab)
             rows = _pad_rows(q.codes[b0 * BLOCK:b1 * BLOCK], (b1 - b0) * BLOCK)
             codes[b0:b1] = self._pack(rows, b1 - b0)
-        self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("scales", self._blocked(q.scales, blocks), persistent=False)
-        offsets = None if q.offsets is None else self._blocked(q.offsets, blocks)
-        self.register_buffer("offsets", offsets, persistent=False)
+        self._hold(codes, self._blocked(q.scales, blocks), None if q.offsets is None else self._blocked(q.offsets, blocks))
 
     def _pack(self, stored: torch.Tensor, blocks: int) -> torch.Tensor:
         """Stored codes of whole blocks (NB*16, K/2 or K) -> (NB, bytes per block) in csrc/qmm.h's layout."""

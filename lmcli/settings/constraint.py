@@ -9,7 +9,6 @@ module is what the settings (GenerationSettings, job rows) hold and check, so it
 from __future__ import annotations
 
 import json
-import os
 import re
 from typing import Any, NamedTuple
 
@@ -135,16 +134,10 @@ def read_source(kind: str, value: str) -> Any:
     name = FLAGS[kind]
     if kind == "regex" or (kind == "json_schema" and value.lstrip().startswith("{")):
         return value
-    try:
-        with open(value, "rb") as file:
-            if os.fstat(file.fileno()).st_size > MAX_SOURCE_BYTES:
-                raise ConstraintError(f"{name} {value}: larger than {MAX_SOURCE_BYTES >> 20} MiB")
-            # Bounded whatever the file is: a device (/dev/zero) or a FIFO says nothing by its size.
-            data = file.read(MAX_SOURCE_BYTES + 1)
-    except OSError as exc:
-        raise ConstraintError(f"{name} {value}: {exc.strerror or exc}") from None
-    if len(data) > MAX_SOURCE_BYTES:
-        raise ConstraintError(f"{name} {value}: more than the {MAX_SOURCE_BYTES >> 20} MiB lmcli reads")
+    from lmcli.io.bounded import read_bounded
+
+    data = read_bounded(value, MAX_SOURCE_BYTES, ConstraintError, name,
+                        unreadable="{name}: {reason}", too_large="{name}: larger than {limit}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
