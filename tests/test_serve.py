@@ -454,3 +454,16 @@ def test_the_fast_path_prints_what_the_full_path_prints(server):
             other.stderr.splitlines()
         imported = {line.split("|")[-1].strip() for line in one.stderr.splitlines() if line.startswith("import time:")}
         assert "lmcli.serve.fast" in imported and not {"typer", "lmcli.cli", "pydantic"} & imported
+
+
+def test_the_server_keeps_prompt_blocks_on_disk_and_a_new_server_gives_the_same_text(tmp_path, reference):
+    """`lmcli serve --prompt-cache DIR` (the default turns it on; the suite's conftest turns it off): a
+    request's blocks are written to disk, and a new server reading them answers as `lmcli generate` does."""
+    blocks = tmp_path / "prompts"
+    prompt = "A long shared header for every question: " + "the river runs to the sea, " * 6 + "Question: name a fish."
+    want = reference(prompt, temperature=0, max_new_tokens=8)
+    for _ in range(2):  # the first server writes the blocks, the second reads them
+        with serving(tmp_path, "--prompt-cache", str(blocks), "--context", "512") as served:
+            got = client(served).completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
+        assert got.choices[0].text == want.text.text
+        assert any(blocks.rglob("*.lmpb"))
