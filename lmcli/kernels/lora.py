@@ -111,7 +111,8 @@ class LoraLinear(nn.Module):
     side in R); entry E is all zeros (a row without an adapter in a mixed batch). `adapted`: the entries
     that are not all zeros here."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapted: frozenset[int], stack: int):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapted: frozenset[int], stack: int,
+                 tables: torch.dtype = torch.float32):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = a.shape[-1], b.shape[1]
@@ -122,13 +123,18 @@ class LoraLinear(nn.Module):
         self.native = _native_entry() if a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 else None
         self.a: torch.Tensor
         self.b_t: torch.Tensor
+        # The C++ update reads its tables in `tables` (bfloat16 for a bfloat16 model: a decode step reads
+        # every adapted module's A and B, and in float32 they were 29% of the int4 model's bytes; the
+        # products and sums stay float32); torch's path keeps them float32.
+        self.tables_bf16 = self.native is not None and tables == torch.bfloat16
+        dtype = torch.bfloat16 if self.tables_bf16 else a.dtype
         if self.native is not None:
             # (E + 1, K, R): A transposed, so the kernel's sum over K runs along an outer dim, vectorised over R.
-            self.register_buffer("a", a.transpose(1, 2).contiguous(), persistent=False)
+            self.register_buffer("a", a.transpose(1, 2).to(dtype).contiguous(), persistent=False)
         else:
             self.register_buffer("a", a, persistent=False)  # (E + 1, R, K)
         # (E + 1, R, N): B transposed, so the sum over the rank runs along an outer dim, vectorised over N.
-        self.register_buffer("b_t", b.transpose(1, 2).contiguous(), persistent=False)
+        self.register_buffer("b_t", b.transpose(1, 2).to(dtype).contiguous(), persistent=False)
         self.adapted = adapted
         # The command's adapters, stacked (routing None), those adapting this module.
         self.default = tuple(e for e in range(stack) if e in adapted)
@@ -200,8 +206,8 @@ class LoraLinear(nn.Module):
         at, b_t = self.views[adapter]  # (K, R), (R, N)
         flat = flat.contiguous()
         status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
-                             at.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, out.data_ptr(),
-                             out.dtype == torch.bfloat16, out.stride(0), 1)
+                             at.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16, out.data_ptr(),
+                             out.dtype == torch.bfloat16, out.stride(0), 1, _PORTABLE)
         if status != 0:
             raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
 
@@ -215,18 +221,23 @@ class LoraLinear(nn.Module):
             flat = flat.contiguous()
             up = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)  # (m, N)
             status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
-                                 a.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, up.data_ptr(),
-                                 False, self.out_features, 0)
+                                 a.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16,
+                                 up.data_ptr(),
+                                 False, self.out_features, 0, _PORTABLE)
             if status != 0:
                 raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
             return up
         if self.native is not None:
-            a = a.t()  # (R, K)
+            a, b_t = a.t().float(), b_t.float()  # (R, K), (R, N)
         down = (flat[:, None, :] * a).sum(-1)  # (m, R)
         return (down[:, :, None] * b_t).sum(1)  # (m, N)
 
     def extra_repr(self) -> str:
-        return f"adapters={len(self.adapted)}, rank={self.rank}, native={self.native is not None}"
+        return (f"adapters={len(self.adapted)}, rank={self.rank}, native={self.native is not None}, "
+                f"tables={'bfloat16' if self.tables_bf16 else 'float32'}")
+
+
+_PORTABLE = False  # tests: True runs csrc/lora.cpp's portable build where the CPU has AVX-512
 
 
 def _native_dtypes(flat: torch.Tensor, out: torch.Tensor) -> bool:
@@ -442,7 +453,8 @@ def apply(model: Any, adapters: Sequence[AdapterFile], merge: bool) -> LoadedAda
             used[e] += r
         owner, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(owner), leaf,
-                LoraLinear(base, a_table, b_table, frozenset(e for e, _, _, _ in parts), count))
+                LoraLinear(base, a_table, b_table, frozenset(e for e, _, _, _ in parts), count,
+                           tables=getattr(model, "dtype", torch.float32)))
     model.lora = LoadedAdapters(names, False, list(adapters))
     return model.lora
 
