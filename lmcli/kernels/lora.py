@@ -141,6 +141,8 @@ class LoraLinear(nn.Module):
         self.views: list[tuple[torch.Tensor, torch.Tensor]]
         # Each entry's A (or Aᵀ) and B as plain attributes: a forward reads them without nn.Module's lookup.
         self.__dict__["views"] = list(zip(self.a.unbind(0), self.b_t.unbind(0)))
+        self.pointers: list[tuple[int, int]]
+        self.__dict__["pointers"] = [(a.data_ptr(), b.data_ptr()) for a, b in self.views]  # the views are contiguous
 
     @property
     def weight(self) -> Any:  # what code asking a projection for its weight (dtype, device) finds
@@ -200,14 +202,17 @@ class LoraLinear(nn.Module):
     def _add(self, flat: torch.Tensor, adapter: int, out: torch.Tensor) -> None:
         """out += x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) into `out` (m, N): one C++ call where the library
         is there (the sum in float32, rounded once to out's dtype: what `out += update` gives)."""
-        if self.native is None or not _native_dtypes(flat, out):
+        native = self.native
+        if native is None or flat.dtype not in _NATIVE_DTYPES or out.dtype not in _NATIVE_DTYPES \
+                or out.stride(-1) != 1 or flat.device.type != "cpu":
             out += self._update(flat, adapter)
             return
-        at, b_t = self.views[adapter]  # (K, R), (R, N)
-        flat = flat.contiguous()
-        status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
-                             at.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16, out.data_ptr(),
-                             out.dtype == torch.bfloat16, out.stride(0), 1, _PORTABLE)
+        at, b_t = self.pointers[adapter]  # Aᵀ (K, R), Bᵀ (R, N): their addresses, read once at load
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, at,
+                        self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
+                        out.dtype is torch.bfloat16, out.stride(0), 1, _PORTABLE)
         if status != 0:
             raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
 
@@ -240,10 +245,13 @@ class LoraLinear(nn.Module):
 _PORTABLE = False  # tests: True runs csrc/lora.cpp's portable build where the CPU has AVX-512
 
 
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _native_dtypes(flat: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the C++ update takes these: float32 or bfloat16 rows and output on the CPU, out's rows dense."""
-    ok = (torch.float32, torch.bfloat16)
-    return flat.dtype in ok and out.dtype in ok and flat.device.type == "cpu" and out.stride(-1) == 1
+    return flat.dtype in _NATIVE_DTYPES and out.dtype in _NATIVE_DTYPES and flat.device.type == "cpu" \
+        and out.stride(-1) == 1
 
 
 def _native_entry() -> Any:

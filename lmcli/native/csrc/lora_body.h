@@ -43,8 +43,10 @@ void row(const void* x, int64_t i, int64_t k, const void* at, int64_t r, const v
                           : static_cast<const float*>(x)[i * k + c];
     for (int64_t j = 0; j < r; ++j) down[j] += v * table<TBF16>(at, c * r + j);  // Aᵀ (K, R): row c
   }
-  std::vector<float> up(static_cast<size_t>(n), 0.0f);
+  thread_local std::vector<float> up;  // one buffer a thread: no allocation a call
+  if (up.size() < static_cast<size_t>(n)) up.resize(static_cast<size_t>(n));
   float* u = up.data();
+  for (int64_t o = 0; o < n; ++o) u[o] = 0.0f;
   for (int64_t j = 0; j < r; ++j) {  // up[o] = sum over j, in order, of down[j] * B[o, j]
     const float d = down[j];
     for (int64_t o = 0; o < n; ++o) u[o] += d * table<TBF16>(bt, j * n + o);  // Bᵀ (R, N): row j
