@@ -10,11 +10,13 @@ adapter, scale folded into B.
 Which adapters a row gets travels beside the forward call, not in the model: the scheduler that knows
 the rows sets a `Routing` (`routed(...)`) around its forward passes; with none set, every row gets the
 command's adapters (all of them, stacked). A row's update is computed with the same per-row arithmetic
-whatever else its batch holds: the rows are grouped by adapter, and each group's rows are multiplied
-elementwise by its A and summed over the input, then by its B and summed over the rank, each row on its
-own (`(x[:, None, :] * A).sum(-1)`), the adapters of a stack in their fixed order. A batch of rows with
-different adapters therefore gives each row what it gets alone (docs/guarantees.md; checked on the
-default model with 4 adapters, the command's and none in a batch of 8, greedy and sampled).
+whatever else its batch holds: with lmcli's C++ library (native/csrc/lora.cpp, one call per module),
+each row's x·Aᵀ summed over the input in order, then ·Bᵀ summed over the rank in order, added to the
+row's output in float32 and rounded once; without it, elementwise products and torch sums over the same
+axes (`(x[:, None, :] * A).sum(-1)`). Rows are grouped by adapter, the adapters of a stack in their fixed
+order. A batch of rows with different adapters therefore gives each row what it gets alone
+(docs/guarantees.md; checked on the default model with 4 adapters, the command's and none in a batch
+of 8, greedy and sampled).
 
 The targets are the projections every architecture has, by their HF names: q/k/v/o, gate/up/down, a
 mixtral expert's w1/w2/w3, and GPT-2's c_attn/c_proj/c_fc. After loading, q/k/v and gate/up are fused
