@@ -498,3 +498,40 @@ def test_the_prompt_cache_never_gives_one_adapters_keys_to_another(tiny_checkpoi
         assert cached == completion("--prompt-cache", "off", "--lora", path)
         assert cached != plain
     assert completion("--prompt-cache", blocks) == plain
+
+
+@pytest.mark.parametrize("tables", [torch.float32, torch.bfloat16])
+def test_beside_update_row_alone_equals_it_in_any_batch_at_1_and_2_threads(tables, monkeypatch):
+    """LoraLinear's update (the C++ one where the library is there): a row alone, the same row in a batch
+    of rows with other adapters (and none), at 1 and 2 threads, portable and AVX-512 builds: the same bits;
+    and the update equals x·Aᵀ·(scale·B)ᵀ in float64 on the tables it holds."""
+    generator = torch.Generator().manual_seed(3)
+    k, n, r, count = 96, 200, 16, 3
+    a = torch.randn(count + 1, r, k, generator=generator) / k**0.5  # (E + 1, R, K)
+    b = torch.randn(count + 1, n, r, generator=generator) * 0.1  # (E + 1, N, R)
+    a[count], b[count] = 0, 0
+    base = torch.nn.Linear(k, n).to(torch.bfloat16)
+    module = lora.LoraLinear(base, a, b, frozenset(range(count)), count, tables=tables)
+    x = torch.randn(6, 1, k, generator=generator).to(torch.bfloat16)  # 6 rows, one token each
+    choices = torch.tensor([0, 2, -1, 1, 0, 2])  # each row's adapter (-1: none)
+    with torch.inference_mode():
+        held_a = module.a.float() if module.native is None else module.a.float().transpose(1, 2)  # (E + 1, R, K)
+        held_b = module.b_t.float().transpose(1, 2)  # (E + 1, N, R)
+        for i, e in enumerate(choices.tolist()):  # against float64 on the tables held
+            expected = base(x[i]).double() if e < 0 else \
+                base(x[i]).double() + x[i].double() @ held_a[e].double().T @ held_b[e].double().T
+            with lora.routed(lora.Routing((e,))):
+                assert torch.allclose(module(x[i:i + 1])[0].double(), expected, atol=1e-2, rtol=1e-2)
+        outputs = []
+        for threads in (1, 2):
+            for portable in (False, True):
+                monkeypatch.setattr(lora, "_PORTABLE", portable)
+                torch.set_num_threads(threads)
+                with lora.routed(lora.Routing((choices,))):
+                    batch = module(x)  # (6, 1, N)
+                for i, e in enumerate(choices.tolist()):
+                    with lora.routed(lora.Routing((e,))):
+                        assert torch.equal(module(x[i:i + 1])[0], batch[i]), (threads, portable, i)
+                outputs.append(batch)
+        torch.set_num_threads(1)
+        assert all(torch.equal(outputs[0], other) for other in outputs[1:])

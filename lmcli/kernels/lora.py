@@ -10,11 +10,13 @@ adapter, scale folded into B.
 Which adapters a row gets travels beside the forward call, not in the model: the scheduler that knows
 the rows sets a `Routing` (`routed(...)`) around its forward passes; with none set, every row gets the
 command's adapters (all of them, stacked). A row's update is computed with the same per-row arithmetic
-whatever else its batch holds: the rows are grouped by adapter, and each group's rows are multiplied
-elementwise by its A and summed over the input, then by its B and summed over the rank, each row on its
-own (`(x[:, None, :] * A).sum(-1)`), the adapters of a stack in their fixed order. A batch of rows with
-different adapters therefore gives each row what it gets alone (docs/guarantees.md; checked on the
-default model with 4 adapters, the command's and none in a batch of 8, greedy and sampled).
+whatever else its batch holds: with lmcli's C++ library (native/csrc/lora.cpp, one call per module),
+each row's x·Aᵀ summed over the input in order, then ·Bᵀ summed over the rank in order, added to the
+row's output in float32 and rounded once; without it, elementwise products and torch sums over the same
+axes (`(x[:, None, :] * A).sum(-1)`). Rows are grouped by adapter, the adapters of a stack in their fixed
+order. A batch of rows with different adapters therefore gives each row what it gets alone
+(docs/guarantees.md; checked on the default model with 4 adapters, the command's and none in a batch
+of 8, greedy and sampled).
 
 The targets are the projections every architecture has, by their HF names: q/k/v/o, gate/up/down, a
 mixtral expert's w1/w2/w3, and GPT-2's c_attn/c_proj/c_fc. After loading, q/k/v and gate/up are fused
@@ -111,22 +113,38 @@ class LoraLinear(nn.Module):
     side in R); entry E is all zeros (a row without an adapter in a mixed batch). `adapted`: the entries
     that are not all zeros here."""
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapted: frozenset[int], stack: int):
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor, adapted: frozenset[int], stack: int,
+                 tables: torch.dtype = torch.float32):
         super().__init__()
         self.base = base
         self.in_features, self.out_features = a.shape[-1], b.shape[1]
+        self.rank = a.shape[1]
         self.b_dtype = b.dtype
+        # lmcli's C++ update (native/csrc/lora.cpp: one call a module) where the library is there and the
+        # tables are float32 on the CPU; else torch's elementwise products and sums (`_update`).
+        self.native = _native_entry() if a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 else None
         self.a: torch.Tensor
         self.b_t: torch.Tensor
-        self.register_buffer("a", a, persistent=False)  # (E + 1, R, K)
+        # The C++ update reads its tables in `tables` (bfloat16 for a bfloat16 model: a decode step reads
+        # every adapted module's A and B, and in float32 they were 29% of the int4 model's bytes; the
+        # products and sums stay float32); torch's path keeps them float32.
+        self.tables_bf16 = self.native is not None and tables == torch.bfloat16
+        dtype = torch.bfloat16 if self.tables_bf16 else a.dtype
+        if self.native is not None:
+            # (E + 1, K, R): A transposed, so the kernel's sum over K runs along an outer dim, vectorised over R.
+            self.register_buffer("a", a.transpose(1, 2).to(dtype).contiguous(), persistent=False)
+        else:
+            self.register_buffer("a", a, persistent=False)  # (E + 1, R, K)
         # (E + 1, R, N): B transposed, so the sum over the rank runs along an outer dim, vectorised over N.
-        self.register_buffer("b_t", b.transpose(1, 2).contiguous(), persistent=False)
+        self.register_buffer("b_t", b.transpose(1, 2).to(dtype).contiguous(), persistent=False)
         self.adapted = adapted
         # The command's adapters, stacked (routing None), those adapting this module.
         self.default = tuple(e for e in range(stack) if e in adapted)
         self.views: list[tuple[torch.Tensor, torch.Tensor]]
-        # Each entry's A and B as plain attributes: a forward reads them without nn.Module's lookup.
+        # Each entry's A (or Aᵀ) and B as plain attributes: a forward reads them without nn.Module's lookup.
         self.__dict__["views"] = list(zip(self.a.unbind(0), self.b_t.unbind(0)))
+        self.pointers: list[tuple[int, int]]
+        self.__dict__["pointers"] = [(a.data_ptr(), b.data_ptr()) for a, b in self.views]  # the views are contiguous
 
     @property
     def weight(self) -> Any:  # what code asking a projection for its weight (dtype, device) finds
@@ -143,10 +161,27 @@ class LoraLinear(nn.Module):
         out = y.view(-1, self.out_features)  # (M, N)
         if routing is None:  # the command's adapters for every row: the common case, kept short
             for adapter in self.default:
-                out += self._update(flat, adapter)
+                self._add(flat, adapter, out)
             return y
+        levels = routing.levels
+        if len(levels) == 1:  # one adapter a row (or none): each row's update added straight to its output
+            level = levels[0]
+            if isinstance(level, int):
+                if level in self.adapted:
+                    self._add(flat, level, out)
+                return y
+            if self.native is not None:
+                if not routing.per_token and x.shape[0] != level.shape[0]:
+                    raise RuntimeError(f"LoRA routing for {level.shape[0]} rows given a batch of {x.shape[0]}")
+                # Each group's rows out and back: the same out + update, rounded once, that a row alone gets.
+                for adapter, tokens in routing.groups(0, flat.shape[0]):
+                    if adapter in self.adapted:
+                        rows = out.index_select(0, tokens)  # (m, N)
+                        self._add(flat.index_select(0, tokens), adapter, rows)
+                        out.index_copy_(0, tokens, rows)
+                return y
         delta: torch.Tensor | None = None
-        for position, level in enumerate(routing.levels):
+        for position, level in enumerate(levels):
             if isinstance(level, int):
                 if level not in self.adapted:
                     continue  # an exact zero
@@ -166,17 +201,67 @@ class LoraLinear(nn.Module):
             out += delta
         return y
 
+    def _add(self, flat: torch.Tensor, adapter: int, out: torch.Tensor) -> None:
+        """out += x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) into `out` (m, N): one C++ call where the library
+        is there (the sum in float32, rounded once to out's dtype: what `out += update` gives)."""
+        native = self.native
+        if native is None or flat.dtype not in _NATIVE_DTYPES or out.dtype not in _NATIVE_DTYPES \
+                or out.stride(-1) != 1 or flat.device.type != "cpu":
+            out += self._update(flat, adapter)
+            return
+        at, b_t = self.pointers[adapter]  # Aᵀ (K, R), Bᵀ (R, N): their addresses, read once at load
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, at,
+                        self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
+                        out.dtype is torch.bfloat16, out.stride(0), 1, _PORTABLE)
+        if status != 0:
+            raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
+
     def _update(self, flat: torch.Tensor, adapter: int) -> torch.Tensor:
-        """x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) -> (m, N): elementwise products summed over K, then over
-        the rank, each row on its own. Not a matrix product: BLAS may block one by the row count, and a
-        batched product (one per row) measured faster but changed a row's tokens in a batch of 8 on the
-        default model; these sums did not."""
-        a, b_t = self.views[adapter]  # (R, K), (R, N)
+        """x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) -> (m, N) float32, each row on its own. Not a matrix
+        product: BLAS may block one by the row count, and a batched product (one per row) measured faster
+        but changed a row's tokens in a batch of 8 on the default model. With the C++ library: its per-row
+        sums (native/csrc/lora.cpp); else elementwise products summed over K, then over the rank."""
+        a, b_t = self.views[adapter]  # (K, R) with the library, else (R, K); (R, N)
+        if self.native is not None and _native_dtypes(flat, b_t):
+            flat = flat.contiguous()
+            up = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)  # (m, N)
+            status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
+                                 a.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16,
+                                 up.data_ptr(),
+                                 False, self.out_features, 0, _PORTABLE)
+            if status != 0:
+                raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
+            return up
+        if self.native is not None:
+            a, b_t = a.t().float(), b_t.float()  # (R, K), (R, N)
         down = (flat[:, None, :] * a).sum(-1)  # (m, R)
         return (down[:, :, None] * b_t).sum(1)  # (m, N)
 
     def extra_repr(self) -> str:
-        return f"adapters={len(self.adapted)}, rank={self.a.shape[1]}"
+        return (f"adapters={len(self.adapted)}, rank={self.rank}, native={self.native is not None}, "
+                f"tables={'bfloat16' if self.tables_bf16 else 'float32'}")
+
+
+_PORTABLE = False  # tests: True runs csrc/lora.cpp's portable build where the CPU has AVX-512
+
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native_dtypes(flat: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the C++ update takes these: float32 or bfloat16 rows and output on the CPU, out's rows dense."""
+    return flat.dtype in _NATIVE_DTYPES and out.dtype in _NATIVE_DTYPES and flat.device.type == "cpu" \
+        and out.stride(-1) == 1
+
+
+def _native_entry() -> Any:
+    """csrc/lora.cpp's entry point, or None where lmcli's C++ library is off or could not be built."""
+    from lmcli import native
+
+    lib = native.library()
+    return None if lib is None else lib.lora
 
 
 # --- putting adapters on a model ---------------------------------------------------------------------
@@ -378,7 +463,8 @@ def apply(model: Any, adapters: Sequence[AdapterFile], merge: bool) -> LoadedAda
             used[e] += r
         owner, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(owner), leaf,
-                LoraLinear(base, a_table, b_table, frozenset(e for e, _, _, _ in parts), count))
+                LoraLinear(base, a_table, b_table, frozenset(e for e, _, _, _ in parts), count,
+                           tables=getattr(model, "dtype", torch.float32)))
     model.lora = LoadedAdapters(names, False, list(adapters))
     return model.lora
 

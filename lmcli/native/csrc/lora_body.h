@@ -1,0 +1,92 @@
+// The body of LoRA's update (lora.cpp), compiled once per instruction set: lora.cpp (no ISA flags) and
+// lora_avx512.cpp. Every output is summed in the same order in both (vectorised only across outputs,
+// no fused multiply-add: -ffp-contract=off), so both give the same bits.
+#pragma once
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 (NaN kept a quiet NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+constexpr int MAX_RANK = 1024;
+
+template <bool TBF16>
+inline float table(const void* t, int64_t i) {
+  return TBF16 ? bf16_to_float(static_cast<const uint16_t*>(t)[i]) : static_cast<const float*>(t)[i];
+}
+
+template <bool XBF16, bool OUTBF16, bool TBF16>
+void row(const void* x, int64_t i, int64_t k, const void* at, int64_t r, const void* bt, int64_t n,
+         void* out, int64_t out_stride, int accumulate) {
+  float down[MAX_RANK];
+  for (int64_t j = 0; j < r; ++j) down[j] = 0.0f;
+  for (int64_t c = 0; c < k; ++c) {  // down[j] = sum over c, in order, of x[c] * A[j, c]
+    const float v = XBF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * k + c])
+                          : static_cast<const float*>(x)[i * k + c];
+    for (int64_t j = 0; j < r; ++j) down[j] += v * table<TBF16>(at, c * r + j);  // Aᵀ (K, R): row c
+  }
+  thread_local std::vector<float> up;  // one buffer a thread: no allocation a call
+  if (up.size() < static_cast<size_t>(n)) up.resize(static_cast<size_t>(n));
+  float* u = up.data();
+  for (int64_t o = 0; o < n; ++o) u[o] = 0.0f;
+  for (int64_t j = 0; j < r; ++j) {  // up[o] = sum over j, in order, of down[j] * B[o, j]
+    const float d = down[j];
+    for (int64_t o = 0; o < n; ++o) u[o] += d * table<TBF16>(bt, j * n + o);  // Bᵀ (R, N): row j
+  }
+  if (OUTBF16) {
+    uint16_t* y = static_cast<uint16_t*>(out) + i * out_stride;
+    for (int64_t o = 0; o < n; ++o) y[o] = float_to_bf16(accumulate ? bf16_to_float(y[o]) + u[o] : u[o]);
+  } else {
+    float* y = static_cast<float*>(out) + i * out_stride;
+    for (int64_t o = 0; o < n; ++o) y[o] = accumulate ? y[o] + u[o] : u[o];
+  }
+}
+
+template <bool XBF16, bool OUTBF16, bool TBF16>
+void rows(const void* x, int64_t m, int64_t k, const void* at, int64_t r, const void* bt, int64_t n,
+          void* out, int64_t out_stride, int accumulate) {
+  if (m == 1) {  // decode: no OpenMP region to enter
+    row<XBF16, OUTBF16, TBF16>(x, 0, k, at, r, bt, n, out, out_stride, accumulate);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < m; ++i) row<XBF16, OUTBF16, TBF16>(x, i, k, at, r, bt, n, out, out_stride, accumulate);
+}
+
+}  // namespace
+
+#define LMCLI_LORA_BODY(NAME)                                                                              \
+  int NAME(const void* x, int x_bf16, int64_t m, int64_t k, const void* at, int64_t r, const void* bt,  \
+           int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate) {   \
+    if (r > MAX_RANK || r < 0) return 1;                                                                \
+    const int kind = (x_bf16 ? 4 : 0) | (out_bf16 ? 2 : 0) | (tables_bf16 ? 1 : 0);                     \
+    switch (kind) {                                                                                     \
+      case 0: rows<false, false, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;     \
+      case 1: rows<false, false, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
+      case 2: rows<false, true, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
+      case 3: rows<false, true, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
+      case 4: rows<true, false, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
+      case 5: rows<true, false, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
+      case 6: rows<true, true, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
+      default: rows<true, true, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
+    }                                                                                                   \
+    return 0;                                                                                           \
+  }
