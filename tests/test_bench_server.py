@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import statistics
+from typing import Any
 
 import pytest
 from cli_fixtures import tiny_checkpoint  # noqa: F401 (fixture)
@@ -48,10 +49,10 @@ def test_throughput_rows_are_the_same_rows_as_a_job_and_as_requests(tiny_checkpo
 
 
 def test_llama_cpp_left_out_with_its_reason(monkeypatch):
-    assert "not a GGUF" in bench_server.llama_cpp_missing("/models/x.safetensors")
-    assert "not a GGUF" in bench_server.llama_cpp_missing(None)
+    assert "not a GGUF" in (bench_server.llama_cpp_missing("/models/x.safetensors") or "")
+    assert "not a GGUF" in (bench_server.llama_cpp_missing(None) or "")
     monkeypatch.setattr(bench_server.importlib.util, "find_spec", lambda name: None)
-    assert "make bench-deps" in bench_server.llama_cpp_missing("/models/x.gguf")
+    assert "make bench-deps" in (bench_server.llama_cpp_missing("/models/x.gguf") or "")
     command = bench_server.llama_cpp_command("/models/x.gguf", 8123, 3)
     # Its default would cut a stream short whenever another request waits: not the same work as lmcli's.
     assert command[command.index("--interrupt_requests") + 1] == "False"
@@ -70,7 +71,7 @@ def test_report_prints_both_servers_or_why_not(llama):
     latency = {str(c): {"requests": c * 2, "p50": 0.1 * c, "p99": 0.2 * c} for c in bench_server.LATENCY_CLIENTS}
     throughput = {"rows": 16, "clients": 8, "max_tokens": 64, "rounds": 1, "served_tokens_per_s": 40.0,
                   "job_tokens_per_s": 50.0, "ratio": 0.8, "same_text": True, "equal_token_counts": True}
-    result = {"startup": {"python -c pass": 0.03}, "throughput": throughput, "batch_size": 8, "threads": 2,
+    result: dict[str, Any] = {"startup": {"python -c pass": 0.03}, "throughput": throughput, "batch_size": 8, "threads": 2,
               "latency": {bench_server.LMCLI: latency}, "llama_cpp": "not measured: the model is not a GGUF file"}
     if llama:
         throughput.update(llama_cpp_tokens_per_s=20.0, vs_llama_cpp=2.0)

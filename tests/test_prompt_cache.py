@@ -364,7 +364,9 @@ def test_job_run_twice_computes_only_what_is_new(tiny_checkpoint, tmp_path):
         result = runner.invoke(app, [*common, "--output", str(outs[name]), "--prompt-cache", cache])
         assert result.exit_code == 0, result.output
         if name == "second":
-            computed, requested = map(int, re.search(r"prefill (\d+) of (\d+) tokens computed", result.stderr).groups())
+            found = re.search(r"prefill (\d+) of (\d+) tokens computed", result.stderr)
+            assert found is not None, result.stderr
+            computed, requested = map(int, found.groups())
             assert computed <= requested // 20 and "from disk" in result.stderr, result.stderr
             assert f"prompt cache: {tmp_path / 'p'}" in result.stderr
     assert _completions(outs["first"]) == _completions(outs["off"]) == _completions(outs["second"])

@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -56,7 +57,7 @@ def test_admission_counts_rows_beyond_the_free_places():
     loop = asyncio.new_event_loop()
     try:
         sinks = [RowSink(loop, asyncio.Queue(), 0, deadline=0.0) for _ in range(3)]
-        rows = [SimpleNamespace(id=i) for i in range(3)]
+        rows: list[Any] = [SimpleNamespace(id=i) for i in range(3)]  # only ids are read
         scheduler.submit([rows[0]], [sinks[0]])  # takes the free place (once the thread comes to it)
         assert scheduler.waiting() == 0
         scheduler.submit([rows[1]], [sinks[1]])  # waits: the queue's one row
@@ -150,7 +151,7 @@ def test_sigterm_during_a_long_prefill_exits_0(tmp_path, smollm2_gguf):
     happened every time with the compiled prefill, LMCLI_COMPILE=1 and its program cached; with the
     tests' eager path only now and then, so this test checks the contract more than it reproduces.)"""
     with serving(tmp_path, "--batch-size", "1", "--context", "2048", "--shutdown-timeout", "0.2") as served:
-        outcome: list[object] = []
+        outcome: list[Any] = []
 
         def send() -> None:
             try:

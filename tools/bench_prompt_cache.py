@@ -56,6 +56,7 @@ def chat_resume(model, tokenizer, directory: Path, rounds: int, target: int) -> 
             prefix = fresh_cache(model, directory) if name == "from disk" else None
             session = ChatSession(model, tokenizer, settings, context=4096, messages=messages, prefix_cache=prefix)
             turn = session.reply("And one more question?")
+            assert turn.result.first_token_at is not None  # one new token was asked for
             times[name].append(turn.result.first_token_at - turn.result.started)
             if prefix is not None:
                 print(f"  round: {turn.prefill_tokens} of {turn.prompt_tokens} computed, {turn.from_disk} from disk,"
@@ -74,9 +75,9 @@ def job_twice(model, tokenizer, directory: Path, rows: int) -> None:
           f"prompts of {len(prepared[0].prompt_ids)} tokens")
     for run_number in (1, 2):
         prefix = fresh_cache(model, directory)
-        run = ContinuousRun(model, tokenizer, 8, on_done=lambda r: None, alone=None, prefix_cache=prefix)
+        run = ContinuousRun(model, tokenizer, 8, on_done=lambda r: None, alone=lambda r: None, prefix_cache=prefix)
         started = time.perf_counter()
-        run.run(prepared, None)
+        run.run(prepared, lambda rows: None)
         s = run.stats
         print(f"  run {run_number}: prefill {s.prefill_computed} of {s.prefill_requested} tokens computed "
               f"({s.prefill_computed / s.prefill_requested:.1%}; {prefix.stats.from_disk} from disk, "
