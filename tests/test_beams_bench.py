@@ -35,8 +35,15 @@ def test_beams_section_through_lmcli_bench(tiny_checkpoint, capsys, monkeypatch)
     for name in METHODS:
         assert len(section["seconds"][name]) == 1 and section["best_s"][name] == min(section["seconds"][name]) > 0
     best = section["best_s"]
-    assert abs(section["ratio_to_greedy"] - best["4 beams"] / best["greedy"]) < 1e-2 * section["ratio_to_greedy"]
-    assert abs(section["ratio_to_greedy_b4"] - best["4 beams"] / best["greedy b4"]) < 1e-2 * section["ratio_to_greedy_b4"]
+
+    def within_rounding(ratio: float, beams: float, greedy: float) -> bool:
+        # best_s is rounded to 4 decimals (a tiny model's call is a few ms): the ratio of the unrounded
+        # times lies within what those roundings allow, plus the ratio's own rounding.
+        low, high = (beams - 5e-5) / (greedy + 5e-5), (beams + 5e-5) / max(greedy - 5e-5, 1e-9)
+        return low - 5e-3 <= ratio <= high + 5e-3
+
+    assert within_rounding(section["ratio_to_greedy"], best["4 beams"], best["greedy"])
+    assert within_rounding(section["ratio_to_greedy_b4"], best["4 beams"], best["greedy b4"])
 
     out = StringIO()
     report(section, Console(file=out, width=200))

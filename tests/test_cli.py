@@ -361,7 +361,8 @@ def test_piped_output_is_exactly_the_completion(tiny_checkpoint):
     assert result.stdout.decode("utf-8") == expected + "\n"  # the completion, then one newline
     stderr = result.stderr.decode()
     assert re.fullmatch(r"24 tokens · [\d.]+ tokens/s · \d+ ms to first token · stopped: token limit · seed 5"
-                        r" · max_new_tokens 24, temperature 0.8\ndecode step: eager\n", stderr)  # the settings used, the step
+                        r" · max_new_tokens 24, temperature 0.8\ndecode step: eager\n"
+                        r"prompt cache: not used \(only where reusing keys is exact: [^)]*\)\n", stderr)  # the settings used, the step
     assert b"\x1b" not in result.stdout + result.stderr
 
 
