@@ -136,8 +136,12 @@ def _in_mapping_of(path: Path, tensor: torch.Tensor) -> bool:
     return False
 
 
-@pytest.mark.parametrize("damage", ["flip a data byte", "cut short", "garbage header", "huge header length",
-                                    "foreign key", "a setting over a method", "a module over a method", "empty"])
+# Two damages in `make test` (a data byte: the checksum; a header's length: the bound before any read);
+# the other six refusals run in `make test-full` (each is a subprocess-sized load of its own).
+@pytest.mark.parametrize("damage", ["flip a data byte", "huge header length", *(
+    pytest.param(damage, marks=pytest.mark.full) for damage in ["cut short", "garbage header", "foreign key",
+                                                                "a setting over a method", "a module over a method",
+                                                                "empty"])])
 def test_a_damaged_or_foreign_entry_is_refused_and_rebuilt(damage, tiny_gguf, cache, capfd):
     want, _ = _logits(tiny_gguf, packed=False)
     _logits(tiny_gguf)
@@ -254,6 +258,7 @@ def test_a_cache_that_cannot_be_written_loads_from_the_gguf_with_one_warning(tin
     assert torch.equal(got, _logits(tiny_gguf, packed=False)[0])
 
 
+@pytest.mark.full  # (make test keeps test_a_cache_that_cannot_be_written_loads_from_the_gguf_with_one_warning)
 def test_a_write_that_fails_loads_from_the_gguf_with_one_warning(tiny_gguf, cache, capfd, monkeypatch):
     def full_disk(*_):
         raise OSError(28, "No space left on device")
