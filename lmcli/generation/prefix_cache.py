@@ -63,8 +63,10 @@ def disk_store_for(model: Any) -> BlockStore | None:
     """The disk tier for `model`'s blocks, or None: turned off, or a model whose checkpoint is unknown
     (one not made by lmcli.load has no fingerprint to key its blocks by)."""
     directory = prompt_cache_dir()
+    if directory is None:  # turned off: the key (code digest, adapters' numbers) is not worth computing
+        return None
     key = numerics_key(model)
-    if directory is None or key is None:
+    if key is None:
         return None
     size = os.environ.get(prompt_blocks.SIZE_ENV, "").strip()
     try:
