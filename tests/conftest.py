@@ -63,6 +63,18 @@ def pytest_make_collect_report(collector):
     _skip_is_failure(outcome.get_result())  # a module-level importorskip
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_per_worker(request):
+    """Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread:
+    two workers of two threads each on two cores spin against each other (a real-model test took 12x as
+    long). Tests of thread counts set their own; the CLI's subprocesses choose theirs as a user's would."""
+    if hasattr(request.config, "workerinput"):
+        import torch  # here, not at the top: see one_thread
+
+        torch.set_num_threads(1)
+    yield
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny models are all per-op overhead; on a busy 2-core machine threads only slow them down."""
