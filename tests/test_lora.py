@@ -535,3 +535,45 @@ def test_beside_update_row_alone_equals_it_in_any_batch_at_1_and_2_threads(table
                 outputs.append(batch)
         torch.set_num_threads(1)
         assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_stacked_row_alone_equals_it_beside_rows_of_other_adapters(dtype):
+    """The command's stack on a row alone (no routing: generate, chat) and the same row beside rows that
+    pick one adapter or none (a job's mixed batch): the same bits, the stack's updates summed once."""
+    generator = torch.Generator().manual_seed(4)
+    k, n, r, count = 64, 48, 8, 3
+    a = torch.randn(count + 1, r, k, generator=generator) / k**0.5  # (E + 1, R, K)
+    b = torch.randn(count + 1, n, r, generator=generator) * 0.3  # (E + 1, N, R)
+    a[count], b[count] = 0, 0
+    base = _RowLinear(torch.randn(n, k, generator=generator).to(dtype) / k**0.5)
+    module = lora.LoraLinear(base, a, b, frozenset(range(count)), count)
+    x = torch.randn(4, 2, k, generator=generator).to(dtype)  # 4 rows, two tokens each
+    with torch.inference_mode():
+        alone = module(x[:1])  # (1, 2, N): every adapter, stacked
+        expected = base(x[:1]).double() + sum(x[:1].double() @ a[e].double().T @ b[e].double().T
+                                               for e in range(count))
+        assert torch.allclose(alone.double(), expected, atol=3e-2, rtol=1e-2)
+        with lora.routed(lora.routing_for(_Loaded(count), [None, "a1", "none", None])):
+            batch = module(x)  # (4, 2, N)
+        assert torch.equal(batch[0], alone[0])
+        assert torch.equal(batch[3], module(x[3:])[0])
+
+
+class _RowLinear(torch.nn.Module):
+    """A projection computed row by row (F.linear's BLAS may block float32 rows by the batch's size)."""
+
+    def __init__(self, weight: torch.Tensor):  # (N, K)
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[..., None, :].float() * self.weight.float()).sum(-1).to(x.dtype)  # (..., N)
+
+
+class _Loaded:
+    """What `routing_for` reads of a model: its loaded adapters' names (a0, a1, ...) and device."""
+
+    def __init__(self, count: int):
+        self.lora = lora.LoadedAdapters(names=[f"a{i}" for i in range(count)], merged=False, files=[])
+        self.device = torch.device("cpu")

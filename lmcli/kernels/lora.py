@@ -160,8 +160,13 @@ class LoraLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)  # (M, K)
         out = y.view(-1, self.out_features)  # (M, N)
         if routing is None:  # the command's adapters for every row: the common case, kept short
-            for adapter in self.default:
-                self._add(flat, adapter, out)
+            if len(self.default) == 1:
+                self._add(flat, self.default[0], out)
+            elif self.default:  # a stack: summed in float32 in its order, then added once (as in a mixed batch)
+                delta = self._update(flat, self.default[0])  # (M, N)
+                for adapter in self.default[1:]:
+                    delta += self._update(flat, adapter)
+                out += delta
             return y
         levels = routing.levels
         if len(levels) == 1:  # one adapter a row (or none): each row's update added straight to its output
