@@ -163,10 +163,10 @@ class LoraLinear(nn.Module):
             if len(self.default) == 1:
                 self._add(flat, self.default[0], out)
             elif self.default:  # a stack: summed in float32 in its order, then added once (as in a mixed batch)
-                delta = self._update(flat, self.default[0])  # (M, N)
+                stacked = self._update(flat, self.default[0])  # (M, N)
                 for adapter in self.default[1:]:
-                    delta += self._update(flat, adapter)
-                out += delta
+                    stacked += self._update(flat, adapter)
+                out += stacked
             return y
         levels = routing.levels
         if len(levels) == 1:  # one adapter a row (or none): each row's update added straight to its output
