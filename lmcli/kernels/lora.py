@@ -10,11 +10,11 @@ adapter, scale folded into B.
 Which adapters a row gets travels beside the forward call, not in the model: the scheduler that knows
 the rows sets a `Routing` (`routed(...)`) around its forward passes; with none set, every row gets the
 command's adapters (all of them, stacked). A row's update is computed with the same per-row arithmetic
-whatever else its batch holds: with lmcli's C++ library (native/csrc/lora.cpp, one call per module),
-each row's x·Aᵀ summed over the input in order, then ·Bᵀ summed over the rank in order, added to the
-row's output in float32 and rounded once; without it, elementwise products and torch sums over the same
-axes (`(x[:, None, :] * A).sum(-1)`). Rows are grouped by adapter, the adapters of a stack in their fixed
-order. A batch of rows with different adapters therefore gives each row what it gets alone
+whatever else its batch holds: with lmcli's C++ library (native/csrc/lora.cpp, one call per module, each
+row of a mixed batch reading its own adapter's tables), each row's x·Aᵀ summed over the input in order,
+then ·Bᵀ summed over the rank in order, added to the row's output in float32 and rounded once; without
+it, elementwise products and torch sums over the same axes (`(x[:, None, :] * A).sum(-1)`), rows grouped
+by adapter. The adapters of a stack are summed in their fixed order, then added once. A batch of rows with different adapters therefore gives each row what it gets alone
 (docs/guarantees.md; checked on the default model with 4 adapters, the command's and none in a batch
 of 8, greedy and sampled).
 
@@ -55,6 +55,7 @@ class Routing:
     levels: tuple[int | torch.Tensor, ...]
     per_token: bool = False
     _groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = field(default_factory=dict, compare=False)
+    _indices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, compare=False)
 
     def groups(self, level: int, tokens: int) -> list[tuple[int, torch.Tensor]]:
         """For a per-row level and `tokens` flattened tokens: [(adapter, token indices (m,))], each adapter
@@ -68,6 +69,20 @@ class Routing:
                 index = index.repeat_interleave(tokens // index.shape[0])  # rows -> tokens (B*T,)
             found = [(int(v), (index == v).nonzero().view(-1)) for v in index.unique().tolist() if v >= 0]
             self._groups[key] = found
+        return found
+
+    def token_index(self, level: int, tokens: int) -> torch.Tensor:
+        """For a per-row level: each of the `tokens` flattened tokens' adapter (-1: none), (tokens,) int64,
+        contiguous (the C++ update reads it); worked out once per forward call."""
+        key = (level, tokens)
+        found = self._indices.get(key)
+        if found is None:
+            index = self.levels[level]
+            assert isinstance(index, torch.Tensor)
+            if not self.per_token:
+                index = index.repeat_interleave(tokens // index.shape[0])  # rows -> tokens (B*T,)
+            found = index.to(torch.int64).contiguous()
+            self._indices[key] = found
         return found
 
 
@@ -145,6 +160,12 @@ class LoraLinear(nn.Module):
         self.__dict__["views"] = list(zip(self.a.unbind(0), self.b_t.unbind(0)))
         self.pointers: list[tuple[int, int]]
         self.__dict__["pointers"] = [(a.data_ptr(), b.data_ptr()) for a, b in self.views]  # the views are contiguous
+        # For a mixed batch's one call: the tables' bases and which entries adapt this module (uint8, (E + 1,)).
+        self.adapted_mask: torch.Tensor
+        self.register_buffer("adapted_mask", torch.tensor([e in adapted for e in range(a.shape[0])],
+                                                          dtype=torch.uint8), persistent=False)
+        self.bases: tuple[int, int, int]
+        self.__dict__["bases"] = (self.a.data_ptr(), self.b_t.data_ptr(), self.adapted_mask.data_ptr())
 
     @property
     def weight(self) -> Any:  # what code asking a projection for its weight (dtype, device) finds
@@ -178,6 +199,9 @@ class LoraLinear(nn.Module):
             if self.native is not None:
                 if not routing.per_token and x.shape[0] != level.shape[0]:
                     raise RuntimeError(f"LoRA routing for {level.shape[0]} rows given a batch of {x.shape[0]}")
+                if _native_dtypes(flat, out):  # one C++ call, each token its own adapter's tables
+                    self._add_routed(flat, routing.token_index(0, flat.shape[0]), out)
+                    return y
                 # Each group's rows out and back: the same out + update, rounded once, that a row alone gets.
                 for adapter, tokens in routing.groups(0, flat.shape[0]):
                     if adapter in self.adapted:
@@ -219,7 +243,22 @@ class LoraLinear(nn.Module):
             flat = flat.contiguous()
         status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, at,
                         self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
-                        out.dtype is torch.bfloat16, out.stride(0), 1, _PORTABLE)
+                        out.dtype is torch.bfloat16, out.stride(0), 1, None, None, 0, _PORTABLE)
+        if status != 0:
+            raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
+
+    def _add_routed(self, flat: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
+        """out[i] += x[i]·Aᵀ·(scale·B)ᵀ with token i's adapter `index[i]` (-1: none), one C++ call: each
+        row's arithmetic is the one `_add` gives it alone."""
+        native = self.native
+        assert native is not None
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        a, b_t, adapted = self.bases
+        status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, a,
+                        self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
+                        out.dtype is torch.bfloat16, out.stride(0), 1, index.data_ptr(), adapted,
+                        self.a.shape[0], _PORTABLE)
         if status != 0:
             raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
 
@@ -235,7 +274,7 @@ class LoraLinear(nn.Module):
             status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
                                  a.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16,
                                  up.data_ptr(),
-                                 False, self.out_features, 0, _PORTABLE)
+                                 False, self.out_features, 0, None, None, 0, _PORTABLE)
             if status != 0:
                 raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
             return up

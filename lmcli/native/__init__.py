@@ -133,7 +133,7 @@ class _Library:
         self.lib = lib
         self.qmm = lib.lmcli_qmm
         lib.lmcli_lora.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, i64, ptr, i64, ctypes.c_int, ptr, ctypes.c_int,
-                                   i64, ctypes.c_int, ctypes.c_int]
+                                   i64, ctypes.c_int, ptr, ptr, i64, ctypes.c_int]
         self.lora = lib.lmcli_lora  # csrc/lora.cpp: LoRA's update beside a projection (kernels/lora.py)
         self.supported = [name for name, number in self.ISAS.items() if lib.lmcli_qmm_supported(number)]
 

@@ -9,7 +9,8 @@
 
 extern "C" {
 int lmcli_lora_avx512(const void* x, int x_bf16, int64_t m, int64_t k, const void* at, int64_t r, const void* bt,
-                      int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate);
+                      int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate,
+                      const int64_t* index, const uint8_t* adapted, int64_t entries);
 }
 
 namespace {
@@ -27,15 +28,21 @@ extern "C" {
 // x (m, k) float32 or bfloat16 (x_bf16), contiguous; at = Aᵀ (k, r) and bt = (scale·B)ᵀ (r, n), contiguous,
 // float32 or bfloat16 (tables_bf16; either way every product and sum is in float32); out (m, n) with row
 // stride out_stride, float32 or bfloat16 (out_bf16): out = update, or out = out + update (accumulate, the
-// sum in float32, then rounded once). Returns 0, or 1 for a rank past MAX_RANK. The AVX-512 build where
-// the CPU has it (the same bits: lora_body.h), unless LMCLI_NATIVE_ISA asks for another path.
+// sum in float32, then rounded once). With `index` (m int64s; a mixed batch), at and bt are instead the
+// bases of every adapter's tables, (entries, K, R) and (entries, R, N): row i takes entry index[i], or
+// no update where index[i] is out of range or adapted[index[i]] is 0 (an adapter not on this module: its
+// tables are zeros, skipped).
+// Returns 0, or 1 for a rank past MAX_RANK. The AVX-512 build where the CPU has it (the same bits:
+// lora_body.h), unless LMCLI_NATIVE_ISA asks for another path.
 int lmcli_lora(const void* x, int x_bf16, int64_t m, int64_t k, const void* at, int64_t r, const void* bt,
                int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate,
-               int portable) {
+               const int64_t* index, const uint8_t* adapted, int64_t entries, int portable) {
   static const bool wide = avx512();
   if (wide && !portable)
-    return lmcli_lora_avx512(x, x_bf16, m, k, at, r, bt, n, tables_bf16, out, out_bf16, out_stride, accumulate);
-  return lora_portable(x, x_bf16, m, k, at, r, bt, n, tables_bf16, out, out_bf16, out_stride, accumulate);
+    return lmcli_lora_avx512(x, x_bf16, m, k, at, r, bt, n, tables_bf16, out, out_bf16, out_stride, accumulate,
+                             index, adapted, entries);
+  return lora_portable(x, x_bf16, m, k, at, r, bt, n, tables_bf16, out, out_bf16, out_stride, accumulate, index,
+                       adapted, entries);
 }
 
 }  // extern "C"

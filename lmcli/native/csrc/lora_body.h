@@ -33,21 +33,28 @@ inline float table(const void* t, int64_t i) {
   return TBF16 ? bf16_to_float(static_cast<const uint16_t*>(t)[i]) : static_cast<const float*>(t)[i];
 }
 
-template <bool XBF16, bool OUTBF16, bool TBF16>
-void row(const void* x, int64_t i, int64_t k, const void* at, int64_t r, const void* bt, int64_t n,
-         void* out, int64_t out_stride, int accumulate) {
-  float down[MAX_RANK];
+// down[j] = sum over c, in order, of x[i, c] * A[j, c]: row i's x·Aᵀ, (r,).
+template <bool XBF16, bool TBF16>
+inline void down_of(const void* x, int64_t i, int64_t k, const void* at, int64_t r, float* down) {
   for (int64_t j = 0; j < r; ++j) down[j] = 0.0f;
-  for (int64_t c = 0; c < k; ++c) {  // down[j] = sum over c, in order, of x[c] * A[j, c]
+  for (int64_t c = 0; c < k; ++c) {
     const float v = XBF16 ? bf16_to_float(static_cast<const uint16_t*>(x)[i * k + c])
                           : static_cast<const float*>(x)[i * k + c];
     for (int64_t j = 0; j < r; ++j) down[j] += v * table<TBF16>(at, c * r + j);  // Aᵀ (K, R): row c
   }
+}
+
+// Row i's output: up[o] = sum over j, in order, of down[j] * B[o, j], then out[i, o] = up[o] or
+// out[i, o] + up[o] (accumulate), rounded once. (Splitting a lone row's columns across threads would keep
+// its bits, but measured no faster in decode: the tables come from memory either way.)
+template <bool OUTBF16, bool TBF16>
+inline void up_into(const float* down, int64_t r, const void* bt, int64_t n, void* out, int64_t i,
+                    int64_t out_stride, int accumulate) {
   thread_local std::vector<float> up;  // one buffer a thread: no allocation a call
   if (up.size() < static_cast<size_t>(n)) up.resize(static_cast<size_t>(n));
   float* u = up.data();
   for (int64_t o = 0; o < n; ++o) u[o] = 0.0f;
-  for (int64_t j = 0; j < r; ++j) {  // up[o] = sum over j, in order, of down[j] * B[o, j]
+  for (int64_t j = 0; j < r; ++j) {
     const float d = down[j];
     for (int64_t o = 0; o < n; ++o) u[o] += d * table<TBF16>(bt, j * n + o);  // Bᵀ (R, N): row j
   }
@@ -60,33 +67,71 @@ void row(const void* x, int64_t i, int64_t k, const void* at, int64_t r, const v
   }
 }
 
+// The tables of row i: the call's one adapter (index null), or entry index[i] of (entries, K, R) and
+// (entries, R, N) tables; false where the row gets no update (no entry, or one not adapting this module).
+template <bool TBF16>
+inline bool tables_of(int64_t i, const void* at, const void* bt, int64_t k, int64_t r, int64_t n,
+                      const int64_t* index, const uint8_t* adapted, int64_t entries, const void** a,
+                      const void** b) {
+  if (index == nullptr) {
+    *a = at;
+    *b = bt;
+    return true;
+  }
+  const int64_t e = index[i];
+  if (e < 0 || e >= entries || !adapted[e]) return false;
+  const int64_t size = TBF16 ? 2 : 4;
+  *a = static_cast<const char*>(at) + e * k * r * size;
+  *b = static_cast<const char*>(bt) + e * r * n * size;
+  return true;
+}
+
 template <bool XBF16, bool OUTBF16, bool TBF16>
 void rows(const void* x, int64_t m, int64_t k, const void* at, int64_t r, const void* bt, int64_t n,
-          void* out, int64_t out_stride, int accumulate) {
+          void* out, int64_t out_stride, int accumulate, const int64_t* index, const uint8_t* adapted,
+          int64_t entries) {
   if (m == 1) {  // decode: no OpenMP region to enter
-    row<XBF16, OUTBF16, TBF16>(x, 0, k, at, r, bt, n, out, out_stride, accumulate);
+    const void *a, *b;
+    if (!tables_of<TBF16>(0, at, bt, k, r, n, index, adapted, entries, &a, &b)) return;
+    float down[MAX_RANK];
+    down_of<XBF16, TBF16>(x, 0, k, a, r, down);
+    up_into<OUTBF16, TBF16>(down, r, b, n, out, 0, out_stride, accumulate);
     return;
   }
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < m; ++i) row<XBF16, OUTBF16, TBF16>(x, i, k, at, r, bt, n, out, out_stride, accumulate);
+  for (int64_t i = 0; i < m; ++i) {
+    const void *a, *b;
+    if (!tables_of<TBF16>(i, at, bt, k, r, n, index, adapted, entries, &a, &b)) continue;
+    float down[MAX_RANK];
+    down_of<XBF16, TBF16>(x, i, k, a, r, down);
+    up_into<OUTBF16, TBF16>(down, r, b, n, out, i, out_stride, accumulate);
+  }
 }
 
 }  // namespace
 
 #define LMCLI_LORA_BODY(NAME)                                                                              \
   int NAME(const void* x, int x_bf16, int64_t m, int64_t k, const void* at, int64_t r, const void* bt,  \
-           int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate) {   \
+           int64_t n, int tables_bf16, void* out, int out_bf16, int64_t out_stride, int accumulate,     \
+           const int64_t* index, const uint8_t* adapted, int64_t entries) {                              \
     if (r > MAX_RANK || r < 0) return 1;                                                                \
     const int kind = (x_bf16 ? 4 : 0) | (out_bf16 ? 2 : 0) | (tables_bf16 ? 1 : 0);                     \
     switch (kind) {                                                                                     \
-      case 0: rows<false, false, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;     \
-      case 1: rows<false, false, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
-      case 2: rows<false, true, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
-      case 3: rows<false, true, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
-      case 4: rows<true, false, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;      \
-      case 5: rows<true, false, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
-      case 6: rows<true, true, false>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
-      default: rows<true, true, true>(x, m, k, at, r, bt, n, out, out_stride, accumulate); break;       \
+      LMCLI_LORA_CASE(0, false, false, false)                                                           \
+      LMCLI_LORA_CASE(1, false, false, true)                                                            \
+      LMCLI_LORA_CASE(2, false, true, false)                                                            \
+      LMCLI_LORA_CASE(3, false, true, true)                                                             \
+      LMCLI_LORA_CASE(4, true, false, false)                                                            \
+      LMCLI_LORA_CASE(5, true, false, true)                                                             \
+      LMCLI_LORA_CASE(6, true, true, false)                                                             \
+      default: LMCLI_LORA_CALL(true, true, true)                                                        \
     }                                                                                                   \
     return 0;                                                                                           \
   }
+
+#define LMCLI_LORA_CALL(XBF16, OUTBF16, TBF16)                                                                  \
+  rows<XBF16, OUTBF16, TBF16>(x, m, k, at, r, bt, n, out, out_stride, accumulate, index, adapted, entries); \
+  break;
+#define LMCLI_LORA_CASE(KIND, XBF16, OUTBF16, TBF16) \
+  case KIND:                                         \
+    LMCLI_LORA_CALL(XBF16, OUTBF16, TBF16)
