@@ -63,10 +63,7 @@ class Routing:
         key = (level, tokens)
         found = self._groups.get(key)
         if found is None:
-            index = self.levels[level]
-            assert isinstance(index, torch.Tensor)
-            if not self.per_token:
-                index = index.repeat_interleave(tokens // index.shape[0])  # rows -> tokens (B*T,)
+            index = self.token_index(level, tokens)
             found = [(int(v), (index == v).nonzero().view(-1)) for v in index.unique().tolist() if v >= 0]
             self._groups[key] = found
         return found
