@@ -107,6 +107,26 @@ def test_cold_warm_memory_and_warm_disk_equal_generate(case, models, tmp_path):
     assert 0 < stats.prefill_computed < stats.prefill_requested // 3 and fresh.stats.from_disk > 0
 
 
+def test_the_key_covers_the_code_that_computes_keys_and_values(models, monkeypatch):
+    """The code digest reads every model, kernel and step source, the C++ kernels' sources included: a
+    block written by an lmcli whose arithmetic differs is another key's."""
+    from pathlib import Path
+
+    import lmcli
+    from lmcli.io import fingerprint
+
+    asked: list[str] = []
+    real = fingerprint.source_digest
+    monkeypatch.setattr(fingerprint, "source_digest", lambda patterns: asked.extend(patterns) or real(patterns))
+    model, _ = models("llama")
+    assert numerics_key(model) is not None
+    package = Path(lmcli.__file__).parent
+    covered = {path for pattern in asked for path in package.glob(pattern)}
+    sources = [*package.glob("models/*.py"), *package.glob("kernels/*.py"), *(package / "native").rglob("*.[ch]*"),
+               package / "generation" / "step.py"]
+    assert [p for p in sources if p.suffix in (".py", ".cpp", ".h") and p not in covered] == []
+
+
 def test_keys_never_mix(models, tmp_path, monkeypatch):
     """Another model, another dtype or kernel plan, another thread count where rows are not batch-invariant:
     another key, so blocks written under one are never read under another (the file names differ and a

@@ -77,10 +77,16 @@ def disk_store_for(model: Any) -> BlockStore | None:
     return BlockStore(directory, digest, max_bytes, verbose=os.environ.get(prompt_blocks.VERBOSE_ENV) == "1")
 
 
+# lmcli's code that computes a prefix's keys and values (globs under the package), the C++ kernels' sources
+# too: a block written by other code is stale.
+CODE = ("models/*.py", "kernels/*.py", "native/*.py", "native/csrc/*", "generation/step.py",
+        "generation/prefix_cache.py", "io/prompt_blocks.py")
+
+
 def numerics_key(model: Any) -> dict[str, Any] | None:
     """Everything that changes the numbers a prefix's keys and values hold: the checkpoint's fingerprint
     (weights, config, tokenizer), the dtypes, the load's kernel plan and invariance, the CPU and its
-    instruction set, torch, and lmcli's model, kernel and step code. The thread count only where rows
+    instruction set, torch, and lmcli's model, kernel (C++ included) and step code. The thread count only where rows
     are not batch-invariant: on that path a row's numbers are the same at any thread count (the step
     changes it as the load moves, threads.recheck, and chunked prefill is exact across it)."""
     resolved = getattr(model, "resolved", None)
@@ -99,8 +105,7 @@ def numerics_key(model: Any) -> dict[str, Any] | None:
         "activation_dtype": str(numerics.activation_dtype), "batch_invariant": numerics.batch_invariant,
         "kernels": choices, "cpu": cpu_model_and_flags()[0], "isa": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__, "device": str(model.device),
-        "code": source_digest(("models/*.py", "kernels/*.py", "native/*.py", "generation/step.py",
-                               "generation/prefix_cache.py", "io/prompt_blocks.py")),
+        "code": source_digest(CODE),
         "kernel_env": {name: os.environ.get(name, "") for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS", "LMCLI_NATIVE")},
         "threads": "any" if numerics.batch_invariant else threads.signature(),
         "lora": _adapters_digest(model),
