@@ -498,6 +498,18 @@ def test_the_prompt_cache_never_gives_one_adapters_keys_to_another(tiny_checkpoi
         assert cached == completion("--prompt-cache", "off", "--lora", path)
         assert cached != plain
     assert completion("--prompt-cache", blocks) == plain
+    # The same adapter directory trained again (its name, rank and alpha the same, its numbers not).
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    again = tmp_path / "again"
+    shutil.copytree(three_adapters[0], again)
+    first = completion("--prompt-cache", blocks, "--lora", again)
+    tensors = load_file(again / "adapter_model.safetensors")
+    save_file({name: -t if "lora_B" in name else t for name, t in tensors.items()}, again / "adapter_model.safetensors")
+    retrained = completion("--prompt-cache", blocks, "--lora", again)
+    assert retrained == completion("--prompt-cache", "off", "--lora", again) and retrained != first
 
 
 @pytest.mark.parametrize("tables", [torch.float32, torch.bfloat16])

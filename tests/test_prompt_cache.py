@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -193,10 +194,14 @@ def _hostile(directory: Path, how: str) -> None:
             entry.unlink()
             entry.mkdir()
             (entry / "x").write_text("not a block")
-        elif how == "ids":  # another prompt's entry under this name (a hash collision, or a copy)
-            ids_at = 16 + int.from_bytes(data[8:16], "little")
-            data[ids_at] ^= 1
-            entry.write_bytes(bytes(data))
+        elif how == "ids":  # another prompt's entry under this name (a hash collision, or a copy): well formed
+            length = int.from_bytes(data[8:16], "little")
+            header = json.loads(bytes(data[16:16 + length]))
+            payload = bytearray(data[16 + length:])
+            payload[0] ^= 1  # the first token id, with the checksum made right
+            header.pop("crc32")
+            crc = zlib.crc32(bytes(payload), zlib.crc32(prompt_blocks._encode(header, None)))
+            entry.write_bytes(prompt_blocks._encode(header, crc) + bytes(payload))
 
 
 @pytest.mark.parametrize("how", ["bit flip", "truncated", "huge header", "huge tensor", "directory", "ids"])
@@ -274,6 +279,22 @@ def test_size_bound_keeps_the_most_recent(models, tmp_path):
     assert stats.prefill_computed == 0  # the most recent prompt survived
     got, stats = run(model, tokenizer, rows[:1], fresh)
     assert got == {rows[0].id: alone(model, tokenizer, rows[0])} and stats.prefill_computed > 0  # the oldest did not
+
+
+def test_a_new_process_trims_the_least_recently_used_first(models, tmp_path):
+    """Entries another process wrote (none used by this one): a trim deletes the oldest by last use (the
+    file's time) first, and keeps the newest."""
+    model, _ = models("llama")
+    shapes = [prompt_blocks.Shape(t.dtype, tuple(t.shape)) for t in _block_tensors(model)]
+    writer = BlockStore(tmp_path, "k")
+    for i in range(6):
+        assert writer.save(bytes([i]) * 8, list(range(i, i + BLOCK)), 0, [torch.zeros(s.shape, dtype=s.dtype) for s in shapes])
+    paths = [writer.path(bytes([i]) * 8) for i in range(6)]
+    for i, path in enumerate(paths):  # last used in the order 3, 5, 0, 1, 4, 2
+        os.utime(path, (1_000_000 + [2, 3, 5, 0, 4, 1][i], 1_000_000 + [2, 3, 5, 0, 4, 1][i]))
+    size = paths[0].stat().st_size
+    BlockStore(tmp_path, "k").trim(3 * size)
+    assert [path.exists() for path in paths] == [False, True, True, False, True, False]
 
 
 def test_a_prefix_longer_than_the_memory_bound_reads_what_fits(models, tmp_path):

@@ -94,6 +94,13 @@ def test_completions_and_chat_equal_lmcli_generate(server, reference):
     assert text == want.text.text and usage.completion_tokens == len(want.tokens)
     assert usage.prompt_tokens == len(want.row.prompt_ids)
 
+    # A greedy chat that ends at the model's end of turn, streamed: finish_reason "stop" (lmcli's "eos").
+    want = reference(MESSAGES, temperature=0, max_new_tokens=48)
+    assert want.finish_reason == "eos"
+    text, finish, _ = streamed_text(api.chat.completions.create(model="x", messages=MESSAGES, max_tokens=48,
+                                                                temperature=0, stream=True), chat=True)
+    assert (text, finish) == (want.text.text, "stop")
+
     # Stop strings, streamed and not: the text ends before the stop, finish_reason "stop".
     prompt = "Count: 1, 2, 3,"
     want = reference(prompt, temperature=0, max_new_tokens=16, stop=[" 6"])
