@@ -379,3 +379,46 @@ PLANTS += [
     Plant("Q12", "continuous", CB, "                        isolate([row])\n", "                        self.alone(row)\n",
           "a row that fails to start goes to alone, not isolate (none: jobs/runner.py, the one caller, makes alone isolate)"),
 ]
+# The prompt cache, LoRA adapters, beams and the server (their four survivors got tests: the ids, trim,
+# adapter-digest and streamed-finish cases below).
+PB, PC, LF, LK = "lmcli/io/prompt_blocks.py", "lmcli/generation/prefix_cache.py", "lmcli/io/lora_files.py", "lmcli/kernels/lora.py"
+SV, SS, BM = "lmcli/serve/app.py", "lmcli/serve/scheduler.py", "lmcli/generation/beams.py"
+AREAS["cache"] = ("tests/test_prompt_cache.py",)
+AREAS["lora"] = ("tests/test_lora.py",)
+AREAS["serve"] = ("tests/test_serve.py", "tests/test_serve_faults.py")
+AREAS["beams"] = ("tests/test_beams.py", "tests/test_generation_rules.py", "tests/test_beams_cli.py")
+PLANTS += [
+    Plant("P1", "cache", PB, "if stored.tolist() != list(ids):", "if False:",
+          "a well-formed block of another prompt under this name (a collision, a copy) is restored: wrong text"),
+    Plant("P2", "cache", PB, "else (0, 0, e[0]))", "else (0, 0, -e[0]))",
+          "a new process over the size bound deletes the most recently used blocks first"),
+    Plant("P3", "cache", PC, "                digest.update(tensor.detach().contiguous().float().numpy().tobytes())",
+          "                pass", "an adapter trained again in place reads the blocks of its old weights",
+          tests=("tests/test_lora.py::test_the_prompt_cache_never_gives_one_adapters_keys_to_another",)),
+    Plant("P4", "cache", PC, 'link = self.disk.key_digest.encode() if self.disk is not None else b""', 'link = b""',
+          "two models' blocks share file names: each run deletes the other's as foreign"),
+    Plant("L1", "lora", LF, "module_alpha / (math.sqrt(r) if rslora else r)", "module_alpha / (r if rslora else r)",
+          "rsLoRA adapters scaled as plain LoRA"),
+    Plant("L2", "lora", LF, "float(alpha) / a.shape[0] * user_scale", "float(alpha) / a.shape[1] * user_scale",
+          "a GGUF LoRA's scale divided by the input width, not the rank"),
+    Plant("L3", "lora", LK, "[] if c == NONE else", "list(range(count)) if c == NONE else",
+          'a row asking "lora": "none" gets every adapter'),
+    Plant("L4", "lora", LK, "for adapter in self.default[1:]:", "for adapter in self.default[1:2]:",
+          "a stack of three adapters drops the third on a row alone"),
+    Plant("L5", "lora", LF, "        return path, value\n    return spec, 1.0", "        return path, 1.0\n    return spec, 1.0",
+          "--lora PATH:0.5 runs at scale 1"),
+    Plant("L6", "lora", LK, "if any(wanted and wanted in name.lower() for name in model_names if name):", "if True:",
+          "an adapter trained on another base model loads without a word"),
+    Plant("B1", "beams", BM, "penalised = top_scores / float(cur_len + 1 - prompt_len) ** length_penalty",
+          "penalised = top_scores / float(cur_len - prompt_len) ** length_penalty",
+          "finished beams' length penalty one token short: other translations than transformers'"),
+    Plant("B2", "beams", BM, "            log_probs = torch.log_softmax(log_probs, dim=-1)  # (B*K, V)\n", "            pass\n",
+          "renormalize_logits (opus-mt's generation config) ignored"),
+    Plant("V1", "serve", SV, "prompt_tokens = len(self.parsed.rows[0].prompt_ids)\n                        yield",
+          "prompt_tokens = len(self.parsed.rows[0].prompt_ids) - 1\n                        yield",
+          "a stream's usage chunk counts one prompt token short"),
+    Plant("V2", "serve", SV, "finish = openai_batch.FINISH_REASONS.get(reason, reason)", "finish = reason",
+          'a streamed reply ending at the end of turn says finish_reason "eos", not OpenAI\'s "stop"'),
+    Plant("V3", "serve", SS, "if self._queued(len(rows)) > self.max_queue:", "if self._queued(len(rows)) > self.max_queue + 1:",
+          "--max-queue N admits N + 1 waiting rows"),
+]
