@@ -118,7 +118,12 @@ def test_the_key_covers_the_code_that_computes_keys_and_values(models, monkeypat
 
     asked: list[str] = []
     real = fingerprint.source_digest
-    monkeypatch.setattr(fingerprint, "source_digest", lambda patterns: asked.extend(patterns) or real(patterns))
+
+    def spy(patterns):
+        asked.extend(patterns)
+        return real(patterns)
+
+    monkeypatch.setattr(fingerprint, "source_digest", spy)
     model, _ = models("llama")
     assert numerics_key(model) is not None
     package = Path(lmcli.__file__).parent
