@@ -104,7 +104,7 @@ PLANTS = [
     Plant("C13", "chat", CS, '"0" if _parse_bool(value, name) else str(DEFAULT_TEMPERATURE)',
           'str(DEFAULT_TEMPERATURE) if _parse_bool(value, name) else "0"', "/set greedy on samples; off decodes greedily"),
     # --- samplers
-    Plant("S1", "samplers", SA, "drop_sorted = cumulative <= 1 - self.top_p", "drop_sorted = cumulative < 1 - self.top_p",
+    Plant("S1", "samplers", "lmcli/generation/nucleus.py", "drop_sorted = cumulative <= 1 - self.top_p", "drop_sorted = cumulative < 1 - self.top_p",
           "top-p keeps a token whose exclusion leaves exactly p (transformers drops it)"),
     Plant("S2", "samplers", SA, "return logits.masked_fill(probs < floor, float(\"-inf\"))",
           "return logits.masked_fill(probs <= floor, float(\"-inf\"))", "min-p drops tokens exactly at the floor"),
@@ -187,8 +187,8 @@ PLANTS = [
           "packing a large weight in slabs that are not whole blocks: the default model fails to load or is wrong"),
     Plant("K2", "kernels", KE, "return (picked >> ((pos % 2) * 4)[:, None]) & 15", "return (picked >> ((pos % 2) * 2)[:, None]) & 15",
           "embedding rows of int4-packed matrices read the wrong nibble"),
-    Plant("K3", "kernels", LI, "if kernel_group % 32 and kernel_name != \"dequantise\":",
-          "if kernel_group % 64 and kernel_name != \"dequantise\":",
+    Plant("K3", "kernels", LI, "if kernel_group % 32 and kernel_name not in (\"dequantise\", \"native\"):",
+          "if kernel_group % 64 and kernel_name not in (\"dequantise\", \"native\"):",
           "Q4 weights (groups of 32) silently fall back to dequantise + F.linear: several times slower"),
     Plant("K4", "kernels", LI, "seen.add(id(module.kernel))", "seen.add(id(module))",
           "lmcli info counts a tied quantized head's weights twice"),
@@ -295,11 +295,11 @@ STARTUP_AND_JOBS = (*AREAS["startup"], "tests/test_job_durability.py")
 PLANTS += [
     Plant("U1", "startup", PC, '"dtype": "auto" if dtype is None or str(dtype) == "auto" else str(dtype),',
           '"dtype": "auto",', "--dtype float32 after a start without it maps the bfloat16 entry: other logits"),
-    Plant("U2", "startup", PC, 'for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS")}', 'for name in ("LMCLI_KERNEL",)}',
+    Plant("U2", "startup", PC, 'for name in ("LMCLI_KERNEL", "LMCLI_FAST_KERNELS", "LMCLI_NATIVE")}',
+          'for name in ("LMCLI_KERNEL", "LMCLI_NATIVE")}',
           "--fast-kernels after a start without it keeps the batch-invariant plan of the entry"),
-    Plant("U3", "startup", PC, "pieces.add((start + max(0, length - EDGE_BYTES), min(length, EDGE_BYTES)))",
-          "pieces.add((start, min(length, EDGE_BYTES)))",
-          "damage in a tensor's last page of an entry goes unchecked: wrong logits from a damaged cache"),
+    Plant("U3", "startup", PC, "for offset in range(0, total, PIECE_BYTES)]", "for offset in range(0, total - PIECE_BYTES, PIECE_BYTES)]",
+          "damage in an entry's last 4 MiB goes unchecked: wrong logits from a damaged cache"),
     Plant("U4", "startup", AT, "            file.flush()\n            os.fsync(file.fileno())\n", "            file.flush()\n",
           "a durable write (a resumed job's rewritten output) is renamed into place before it is on disk",
           tests=STARTUP_AND_JOBS),
@@ -381,21 +381,21 @@ PLANTS += [
 ]
 # The prompt cache, LoRA adapters, beams and the server (their four survivors got tests: the ids, trim,
 # adapter-digest and streamed-finish cases below).
-PB, PC, LF, LK = "lmcli/io/prompt_blocks.py", "lmcli/generation/prefix_cache.py", "lmcli/io/lora_files.py", "lmcli/kernels/lora.py"
+PB, PX, LF, LK = "lmcli/io/prompt_blocks.py", "lmcli/generation/prefix_cache.py", "lmcli/io/lora_files.py", "lmcli/kernels/lora.py"
 SV, SS, BM = "lmcli/serve/app.py", "lmcli/serve/scheduler.py", "lmcli/generation/beams.py"
 AREAS["cache"] = ("tests/test_prompt_cache.py",)
 AREAS["lora"] = ("tests/test_lora.py",)
 AREAS["serve"] = ("tests/test_serve.py", "tests/test_serve_faults.py")
 AREAS["beams"] = ("tests/test_beams.py", "tests/test_generation_rules.py", "tests/test_beams_cli.py")
 PLANTS += [
-    Plant("P1", "cache", PB, "if stored.tolist() != list(ids):", "if False:",
+    Plant("PC1", "cache", PB, "if stored.tolist() != list(ids):", "if False:",
           "a well-formed block of another prompt under this name (a collision, a copy) is restored: wrong text"),
-    Plant("P2", "cache", PB, "else (0, 0, e[0]))", "else (0, 0, -e[0]))",
+    Plant("PC2", "cache", PB, "else (0, 0, e[0]))", "else (0, 0, -e[0]))",
           "a new process over the size bound deletes the most recently used blocks first"),
-    Plant("P3", "cache", PC, "                digest.update(tensor.detach().contiguous().float().numpy().tobytes())",
+    Plant("PC3", "cache", PX, "                digest.update(tensor.detach().contiguous().float().numpy().tobytes())",
           "                pass", "an adapter trained again in place reads the blocks of its old weights",
           tests=("tests/test_lora.py::test_the_prompt_cache_never_gives_one_adapters_keys_to_another",)),
-    Plant("P4", "cache", PC, 'link = self.disk.key_digest.encode() if self.disk is not None else b""', 'link = b""',
+    Plant("PC4", "cache", PX, 'link = self.disk.key_digest.encode() if self.disk is not None else b""', 'link = b""',
           "two models' blocks share file names: each run deletes the other's as foreign"),
     Plant("L1", "lora", LF, "module_alpha / (math.sqrt(r) if rslora else r)", "module_alpha / (r if rslora else r)",
           "rsLoRA adapters scaled as plain LoRA"),
@@ -421,4 +421,26 @@ PLANTS += [
           'a streamed reply ending at the end of turn says finish_reason "eos", not OpenAI\'s "stop"'),
     Plant("V3", "serve", SS, "if self._queued(len(rows)) > self.max_queue:", "if self._queued(len(rows)) > self.max_queue + 1:",
           "--max-queue N admits N + 1 waiting rows"),
+]
+# Reliability round three's fixes: exit 3, the limit named, the lock file, the thread note, the bounds.
+BD = "lmcli/io/bounded.py"
+AREAS["reliability"] = ("tests/test_structured_limits.py", "tests/test_hostile.py", "tests/test_small_fixes.py")
+PLANTS += [
+    Plant("R1", "reliability", CN, "    exit_code = 3\n", "    exit_code = 1\n",
+          "a structured output cut by a limit exits 1, like a failed run: a script cannot tell it to retry with -n"),
+    Plant("R2", "reliability", "lmcli/jobs/runs.py", "if len(result.tokens) < settings.max_new_tokens:  # generate() stopped first",
+          "if len(result.tokens) <= settings.max_new_tokens:  # generate() stopped first",
+          "a schema cut by -n is reported as cut by the context (advice: shorten the prompt)"),
+    Plant("R3", "reliability", "lmcli/io/output_lock.py", "            os.unlink(path)  # while still holding it",
+          "            pass  # while still holding it", "a job that ends cleanly leaves its .lock file",
+          tests=("tests/test_kill_resume.py",)),
+    Plant("R4", "reliability", TH, "elif count > machine.host_cpus:", "elif count > machine.host_cpus + 1:",
+          "OMP_NUM_THREADS one past the CPUs is reported as taken (torch caps it silently)",
+          tests=("tests/test_small_fixes.py", "tests/test_threads.py")),
+    Plant("R5", "reliability", BD, "    if len(data) > limit:\n", "    if len(data) > limit + 1:\n",
+          "a schema from a FIFO or device past the bound is cut at the bound plus one byte, not refused"),
+    Plant("R6", "reliability", BD, "if int(levels.max()) > limit:", "if int(levels.max()) > limit + 1:",
+          "a schema nested one level past the limit goes on to the recursive walks"),
+    Plant("R7", "reliability", BD, "            if depth > limit:", "            if depth > limit + 1:",
+          "a parsed value nested one level past the limit goes on to the recursive walks"),
 ]
