@@ -312,7 +312,7 @@ def test_an_unwritable_cache_or_a_failing_build_decodes_eagerly_with_one_warning
 
 
 @pytest.mark.full
-def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_gguf, cache, capfd):
+def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_gguf, cache, capfd, monkeypatch):
     """The real-model prompts, each alone (the batch-1 program) and the five as one left-padded batch (the
     batch-5 program). Each compiled step's logits, on eager's cache, within 2^-6 of the row's largest logit
     of eager's; the compiled greedy text is eager's up to the first step where eager's two best logits lie
@@ -320,6 +320,7 @@ def test_the_default_model_compiled_agrees_with_eager_up_to_a_near_tie(smollm2_g
     tokens of a fixed text (the first token as the prompt) the mean KL from eager's distributions is within KL_TOLERANCE."""
     from lmcli.bench.synthetic import QUALITY_TEXT
 
+    monkeypatch.setenv("LMCLI_KERNEL", "int4pack")  # compiled programs run torch's kernels (lmcli's are not exported)
     model, tokenizer = lmcli.load(smollm2_gguf)
     rows = [torch.tensor(tokenizer.encode(p)) for p in TEXT_PROMPTS]
     new = 24

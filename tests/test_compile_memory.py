@@ -35,8 +35,11 @@ print(json.dumps({"peak": peak_rss_bytes(), "generated": out.shape[1] - prompt_t
 
 
 @pytest.mark.full  # the first process builds the default model's program: a minute or more
-def test_a_run_on_the_compiled_step_stays_within_the_memory_bound(smollm2_gguf, torch_import_bytes, tmp_path):
+def test_a_run_on_the_compiled_step_stays_within_the_memory_bound(smollm2_gguf, torch_import_bytes, tmp_path,
+                                                                  monkeypatch):
     from lmcli.io import compiled_cache
+
+    monkeypatch.setenv("LMCLI_KERNEL", "int4pack")  # compiled programs run torch's kernels (lmcli's are not exported)
 
     args = (str(smollm2_gguf), str(PROMPT_TOKENS), str(NEW_TOKENS))
     _run(_COMPILED_RUN, *args, cache_dir=tmp_path, packed_cache=True)  # builds the program (as a user's run: packed cache on)

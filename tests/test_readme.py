@@ -82,7 +82,9 @@ def _matches(expected: list[str], actual: list[str]) -> bool:
 
 def run_block(block: Block, directory: Path) -> list[list[str]]:
     """Each command's output lines, in order."""
-    env = subprocess_env(LMCLI_PACKED_CACHE="1")  # later starts map the loaded model (same logits, bit for bit)
+    # The user's defaults: packed weights (later starts map the loaded model: the same logits, bit for bit)
+    # and a prompt cache on disk, this block's own (a first run: what another block wrote is not read).
+    env = subprocess_env(LMCLI_PACKED_CACHE="1", LMCLI_PROMPT_CACHE=str(directory / ".prompt-cache"))
     prelude = f"lmcli() {{ {shlex.quote(sys.executable)} -m lmcli \"$@\"; }}\n"
     outputs = []
     for command in block.commands:
