@@ -22,6 +22,7 @@ import lmcli
 from lmcli.bench.synthetic import TEXT_PROMPTS
 from lmcli.generation.loop import positions_from_mask
 from lmcli.io import compiled_cache
+from lmcli.machine import cpu_model_and_flags
 from lmcli.models import compiled_prefill, compiled_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -240,18 +241,11 @@ def test_the_bench_section_reports_the_ratio_of_the_medians():
     assert "no compiler" in console.export_text()
 
 
-def _amx() -> bool:
-    from pathlib import Path
-
-    cpuinfo = Path("/proc/cpuinfo")
-    return cpuinfo.exists() and " amx_bf16" in cpuinfo.read_text()
-
-
 @pytest.mark.full  # a build of the default model: about 2 minutes
 # On a CPU with AMX (inductor's bf16 GEMMs) the program's own check refuses it: KL 1.5e-3 against its 1e-3
 # on the check's random text, largest difference 0.005 of the largest logit (measured 2026-12-05), so
 # --compile prefills eagerly there. Strict: the day it is accepted, this says so.
-@pytest.mark.xfail(_amx(), reason="on AMX the compiled prefill fails its own check (KL 1.5e-3 > 1e-3)", strict=True)
+@pytest.mark.xfail("amx_bf16" in cpu_model_and_flags()[1], reason="on AMX the compiled prefill fails its own check (KL 1.5e-3 > 1e-3)", strict=True)
 def test_the_default_model_prefills_compiled_as_eager_within_the_stated_tolerance(smollm2_gguf, tmp_path,
                                                                                   monkeypatch):
     """The five real-model prompts as one text of more than two chunks of 64 (a prompt alone is shorter

@@ -21,7 +21,7 @@ import pytest
 import torch
 from cli_fixtures import REPO, subprocess_env, tiny_checkpoint  # noqa: F401 (fixture)
 from real_models import gemma_gguf, smollm2_gguf  # noqa: F401 (fixture)
-from test_continuous import alone, window_checkpoint  # noqa: F401 (fixture)
+from test_continuous import alone, loaded, window_checkpoint  # noqa: F401 (fixtures: int4 tiny models, loaded once)
 from typer.testing import CliRunner
 
 import lmcli
@@ -36,19 +36,6 @@ from lmcli.settings.generation_settings import GenerationSettings
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def models(tiny_checkpoint, window_checkpoint):
-    """name -> (model, tokenizer), int4 so that rows are batch-invariant (where the cache is used)."""
-    loaded: dict = {}
-
-    def get(name: str):
-        if name not in loaded:
-            loaded[name] = lmcli.load(tiny_checkpoint if name == "llama" else window_checkpoint, quantize="int4")
-        return loaded[name]
-
-    return get
 
 
 def rows_for(tokenizer, prompts: list[str], new: int = 6):
@@ -77,12 +64,12 @@ PROMPTS = [LONG + "then one", LONG + "then one more", LONG[:57], LONG + "and a l
 
 
 @pytest.mark.parametrize("case", ["llama", "window"])
-def test_cold_warm_memory_and_warm_disk_equal_generate(case, models, tmp_path):
+def test_cold_warm_memory_and_warm_disk_equal_generate(case, loaded, tmp_path):
     """Each row's tokens from a cold cache, then the same cache warm (memory), then a fresh cache over the
     same directory (disk), equal model.generate's on the row alone; the sliding-window model's prompts run
     past its window of 8. PROMPTS covers a prefix ending mid-block, a stored prompt longer than the new one
     (LONG[:57] after the longer ones) and the first token after a cached block."""
-    model, tokenizer = models(case)
+    model, tokenizer = loaded(case)
     rows = rows_for(tokenizer, PROMPTS)
     reference = {row.id: alone(model, tokenizer, row) for row in rows}
     assert any(len(row.prompt_ids) % BLOCK for row in rows)
@@ -108,7 +95,7 @@ def test_cold_warm_memory_and_warm_disk_equal_generate(case, models, tmp_path):
     assert 0 < stats.prefill_computed < stats.prefill_requested // 3 and fresh.stats.from_disk > 0
 
 
-def test_the_key_covers_the_code_that_computes_keys_and_values(models, monkeypatch):
+def test_the_key_covers_the_code_that_computes_keys_and_values(loaded, monkeypatch):
     """The code digest reads every model, kernel and step source, the C++ kernels' sources included: a
     block written by an lmcli whose arithmetic differs is another key's."""
     from pathlib import Path
@@ -124,7 +111,7 @@ def test_the_key_covers_the_code_that_computes_keys_and_values(models, monkeypat
         return real(patterns)
 
     monkeypatch.setattr(fingerprint, "source_digest", spy)
-    model, _ = models("llama")
+    model, _ = loaded("llama")
     assert numerics_key(model) is not None
     package = Path(lmcli.__file__).parent
     covered = {path for pattern in asked for path in package.glob(pattern)}
@@ -133,12 +120,12 @@ def test_the_key_covers_the_code_that_computes_keys_and_values(models, monkeypat
     assert [p for p in sources if p.suffix in (".py", ".cpp", ".h") and p not in covered] == []
 
 
-def test_keys_never_mix(models, tmp_path, monkeypatch):
+def test_keys_never_mix(loaded, tmp_path, monkeypatch):
     """Another model, another dtype or kernel plan, another thread count where rows are not batch-invariant:
     another key, so blocks written under one are never read under another (the file names differ and a
     file's header names its key)."""
-    llama, _ = models("llama")
-    window, _ = models("window")
+    llama, _ = loaded("llama")
+    window, _ = loaded("window")
     key = numerics_key(llama)
     assert key is not None and numerics_key(window) is not None
     assert key["fingerprint"] != numerics_key(window)["fingerprint"]  # type: ignore[index]
@@ -157,7 +144,7 @@ def test_keys_never_mix(models, tmp_path, monkeypatch):
     assert key["threads"] == "any"  # batch-invariant: the same numbers at any thread count
     # Written under one key, the entry is refused under another, and the text is still the reference's.
     monkeypatch.undo()
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     rows = rows_for(tokenizer, PROMPTS[:2])
     reference = {row.id: alone(model, tokenizer, row) for row in rows}
     first = PrefixCache(block=BLOCK, disk=BlockStore(tmp_path, "key-a"), vocab=model.config.vocab_size)
@@ -210,8 +197,8 @@ def _hostile(directory: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["bit flip", "truncated", "huge header", "huge tensor", "directory", "ids"])
-def test_hostile_entries_give_the_reference_text(how, models, tmp_path, capsys):
-    model, tokenizer = models("llama")
+def test_hostile_entries_give_the_reference_text(how, loaded, tmp_path, capsys):
+    model, tokenizer = loaded("llama")
     rows = rows_for(tokenizer, PROMPTS[:2])
     reference = {row.id: alone(model, tokenizer, row) for row in rows}
     run(model, tokenizer, rows, disk_cache(model, tmp_path))
@@ -227,10 +214,10 @@ def test_hostile_entries_give_the_reference_text(how, models, tmp_path, capsys):
     assert got == reference and stats.prefill_computed == 0 and third.disk.skipped == 0  # type: ignore[union-attr]
 
 
-def test_read_only_directory_and_full_disk(models, tmp_path, monkeypatch):
+def test_read_only_directory_and_full_disk(loaded, tmp_path, monkeypatch):
     """Nothing can be written (a read-only directory; a disk that fills midway through a write): the text
     is the reference's, no partial file is left, and the run stops trying to write."""
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     rows = rows_for(tokenizer, PROMPTS[:2])
     reference = {row.id: alone(model, tokenizer, row) for row in rows}
     locked = tmp_path / "locked"
@@ -266,10 +253,10 @@ def test_read_only_directory_and_full_disk(models, tmp_path, monkeypatch):
     assert got == reference and after.disk is not None and after.disk.skipped == 0  # complete entries only
 
 
-def test_size_bound_keeps_the_most_recent(models, tmp_path):
+def test_size_bound_keeps_the_most_recent(loaded, tmp_path):
     """Many distinct prompts through a small bound: the directory stays within it, and the entries kept
     are the last ones written (a prompt run last is read back whole)."""
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     one_block = sum(t.nbytes for t in _block_tensors(model))
     bound = 40 * one_block
     prompts = [f"prompt number {i} with its own words, distinct from every other one" for i in range(12)]
@@ -286,10 +273,10 @@ def test_size_bound_keeps_the_most_recent(models, tmp_path):
     assert got == {rows[0].id: alone(model, tokenizer, rows[0])} and stats.prefill_computed > 0  # the oldest did not
 
 
-def test_a_new_process_trims_the_least_recently_used_first(models, tmp_path):
+def test_a_new_process_trims_the_least_recently_used_first(loaded, tmp_path):
     """Entries another process wrote (none used by this one): a trim deletes the oldest by last use (the
     file's time) first, and keeps the newest."""
-    model, _ = models("llama")
+    model, _ = loaded("llama")
     shapes = [prompt_blocks.Shape(t.dtype, tuple(t.shape)) for t in _block_tensors(model)]
     writer = BlockStore(tmp_path, "k")
     for i in range(6):
@@ -302,10 +289,10 @@ def test_a_new_process_trims_the_least_recently_used_first(models, tmp_path):
     assert [path.exists() for path in paths] == [False, True, True, False, True, False]
 
 
-def test_a_prefix_longer_than_the_memory_bound_reads_what_fits(models, tmp_path):
+def test_a_prefix_longer_than_the_memory_bound_reads_what_fits(loaded, tmp_path):
     """Blocks read from disk are held in memory too: a prefix whose blocks exceed the memory bound takes
     what fits (never evicting a block it is about to use) and computes the rest, with the reference's tokens."""
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     [row] = rows_for(tokenizer, [LONG * 2])
     reference = {row.id: alone(model, tokenizer, row)}
     run(model, tokenizer, [row], disk_cache(model, tmp_path))
@@ -346,10 +333,10 @@ RACER = textwrap.dedent("""
 
 
 @pytest.mark.full  # three processes loading the model: about 12 s
-def test_two_processes_racing_on_one_prefix(models, tiny_checkpoint, tmp_path):
+def test_two_processes_racing_on_one_prefix(loaded, tiny_checkpoint, tmp_path):
     """Two processes write the same prefix's blocks into one directory at once: each gets the reference's
     tokens, and a third reads every block back whole."""
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     [row] = rows_for(tokenizer, [LONG * 2], new=6)
     row = dataclasses.replace(row, settings=GenerationSettings().for_row({"temperature": 0, "max_new_tokens": 6}))
     reference = alone(model, tokenizer, row)
@@ -367,8 +354,8 @@ def test_two_processes_racing_on_one_prefix(models, tiny_checkpoint, tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]  # no temporaries left
 
 
-def test_prefix_cache_for_has_the_disk_tier_by_default(models, tmp_path, monkeypatch):
-    model, _ = models("llama")
+def test_prefix_cache_for_has_the_disk_tier_by_default(loaded, tmp_path, monkeypatch):
+    model, _ = loaded("llama")
     monkeypatch.setenv("LMCLI_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(prompt_blocks.DIR_ENV, raising=False)
     prefix = prefix_cache_for(model)
@@ -442,14 +429,14 @@ def _fresh_reply(model, tokenizer, messages, new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("case", ["llama", "window"])
-def test_chat_resumed_from_a_transcript_restores_its_blocks(case, models, tmp_path):
+def test_chat_resumed_from_a_transcript_restores_its_blocks(case, loaded, tmp_path):
     """A chat saved (/save: the transcript, and its blocks kept) and resumed in a new session with a new
     prompt cache over the same directory: its next reply is what model.generate gives the whole conversation,
     and the conversation comes from disk, all but the last few tokens (the sliding-window model runs past its
     window of 8)."""
     from lmcli.chat.session import ChatSession, load_transcript
 
-    model, tokenizer = models(case)
+    model, tokenizer = loaded(case)
     settings = GenerationSettings.from_flags(greedy=True, max_new_tokens=6, chat=True)
     system = "a system message long enough to fill a few blocks of tokens"
     session = ChatSession(model, tokenizer, settings, context=256, system=system,
@@ -529,10 +516,10 @@ def test_real_models_cold_and_warm_disk_equal_generate(name, request, tmp_path, 
     assert got == reference and stats.prefill_computed == 0 and warm.stats.from_disk > 0  # type: ignore[union-attr]
 
 
-def test_thread_count_is_left_out_of_the_key_because_it_changes_no_number(models):
+def test_thread_count_is_left_out_of_the_key_because_it_changes_no_number(loaded):
     """Where rows are batch-invariant (the only place the prompt cache is used by default) the key leaves the
     thread count out: keys, values and logits of a prefill are bit for bit the same on 1 and 2 threads."""
-    model, tokenizer = models("llama")
+    model, tokenizer = loaded("llama")
     ids = tokenizer.encode(LONG)
     n = len(ids)
     x, slots = torch.tensor([ids]), torch.arange(n)

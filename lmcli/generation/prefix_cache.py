@@ -86,9 +86,10 @@ CODE = ("models/*.py", "kernels/*.py", "native/*.py", "native/csrc/*", "generati
 def numerics_key(model: Any) -> dict[str, Any] | None:
     """Everything that changes the numbers a prefix's keys and values hold: the checkpoint's fingerprint
     (weights, config, tokenizer), the dtypes, the load's kernel plan and invariance, the CPU and its
-    instruction set, torch, and lmcli's model, kernel (C++ included) and step code. The thread count only where rows
-    are not batch-invariant: on that path a row's numbers are the same at any thread count (the step
-    changes it as the load moves, threads.recheck, and chunked prefill is exact across it)."""
+    instruction set, torch, and lmcli's model, kernel (C++ included) and step code (`CODE`). The thread
+    count only where rows are not batch-invariant: on that path a row's numbers are the same at any
+    thread count (the step changes it as the load moves, threads.recheck, and chunked prefill is exact
+    across it)."""
     resolved = getattr(model, "resolved", None)
     fingerprint = getattr(resolved, "fingerprint", None)
     if not isinstance(fingerprint, str):

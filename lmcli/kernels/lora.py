@@ -14,9 +14,9 @@ whatever else its batch holds: with lmcli's C++ library (native/csrc/lora.cpp, o
 row of a mixed batch reading its own adapter's tables), each row's x·Aᵀ summed over the input in order,
 then ·Bᵀ summed over the rank in order, added to the row's output in float32 and rounded once; without
 it, elementwise products and torch sums over the same axes (`(x[:, None, :] * A).sum(-1)`), rows grouped
-by adapter. The adapters of a stack are summed in their fixed order, then added once. A batch of rows with different adapters therefore gives each row what it gets alone
-(docs/guarantees.md; checked on the default model with 4 adapters, the command's and none in a batch
-of 8, greedy and sampled).
+by adapter. The adapters of a stack are summed in their fixed order, then added once. A batch of rows
+with different adapters therefore gives each row what it gets alone (docs/guarantees.md; checked on the
+default model with 4 adapters, the command's and none in a batch of 8, greedy and sampled).
 
 The targets are the projections every architecture has, by their HF names: q/k/v/o, gate/up/down, a
 mixtral expert's w1/w2/w3, and GPT-2's c_attn/c_proj/c_fc. After loading, q/k/v and gate/up are fused
@@ -230,32 +230,30 @@ class LoraLinear(nn.Module):
     def _add(self, flat: torch.Tensor, adapter: int, out: torch.Tensor) -> None:
         """out += x·Aᵀ·(scale·B)ᵀ for rows `flat` (m, K) into `out` (m, N): one C++ call where the library
         is there (the sum in float32, rounded once to out's dtype: what `out += update` gives)."""
-        native = self.native
-        if native is None or flat.dtype not in _NATIVE_DTYPES or out.dtype not in _NATIVE_DTYPES \
-                or out.stride(-1) != 1 or flat.device.type != "cpu":
+        if self.native is None or not _native_dtypes(flat, out):
             out += self._update(flat, adapter)
             return
         at, b_t = self.pointers[adapter]  # Aᵀ (K, R), Bᵀ (R, N): their addresses, read once at load
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, at,
-                        self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
-                        out.dtype is torch.bfloat16, out.stride(0), 1, None, None, 0, _PORTABLE)
-        if status != 0:
-            raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
+        self._native_call(flat, at, b_t, out, accumulate=True)
 
     def _add_routed(self, flat: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """out[i] += x[i]·Aᵀ·(scale·B)ᵀ with token i's adapter `index[i]` (-1: none), one C++ call: each
         row's arithmetic is the one `_add` gives it alone."""
-        native = self.native
-        assert native is not None
+        a, b_t, adapted = self.bases
+        self._native_call(flat, a, b_t, out, accumulate=True, index=index.data_ptr(), adapted=adapted,
+                          entries=self.a.shape[0])
+
+    def _native_call(self, flat: torch.Tensor, at: int, b_t: int, out: torch.Tensor, accumulate: bool,
+                     index: int | None = None, adapted: int | None = None, entries: int = 0) -> None:
+        """csrc/lora.cpp on rows `flat` (m, K) into `out` (m, N, rows dense): tables at addresses `at`, `b_t`
+        (or, with `index`, every entry's tables from those bases)."""
+        assert self.native is not None
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        a, b_t, adapted = self.bases
-        status = native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, a,
-                        self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
-                        out.dtype is torch.bfloat16, out.stride(0), 1, index.data_ptr(), adapted,
-                        self.a.shape[0], _PORTABLE)
+        status = self.native(flat.data_ptr(), flat.dtype is torch.bfloat16, flat.shape[0], self.in_features, at,
+                             self.rank, b_t, self.out_features, self.tables_bf16, out.data_ptr(),
+                             out.dtype is torch.bfloat16, out.stride(0), accumulate, index, adapted, entries,
+                             _PORTABLE)
         if status != 0:
             raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
 
@@ -266,14 +264,8 @@ class LoraLinear(nn.Module):
         sums (native/csrc/lora.cpp); else elementwise products summed over K, then over the rank."""
         a, b_t = self.views[adapter]  # (K, R) with the library, else (R, K); (R, N)
         if self.native is not None and _native_dtypes(flat, b_t):
-            flat = flat.contiguous()
             up = torch.empty(flat.shape[0], self.out_features, dtype=torch.float32)  # (m, N)
-            status = self.native(flat.data_ptr(), flat.dtype == torch.bfloat16, flat.shape[0], self.in_features,
-                                 a.data_ptr(), self.rank, b_t.data_ptr(), self.out_features, self.tables_bf16,
-                                 up.data_ptr(),
-                                 False, self.out_features, 0, None, None, 0, _PORTABLE)
-            if status != 0:
-                raise RuntimeError(f"native LoRA kernel: status {status} for rank {self.rank}")
+            self._native_call(flat, *self.pointers[adapter], up, accumulate=False)
             return up
         if self.native is not None:
             a, b_t = a.t().float(), b_t.float()  # (R, K), (R, N)
